@@ -1,14 +1,22 @@
 """Pure-PyTorch paged attention: runs on every device and is the oracle for every kernel.
 
 Deliberately simple: gather each sequence's cache rows into a padded batch, then one masked
-softmax in fp32. Memory is O(B * max_query_len * max_context_len * heads), fine for tests and
-CPU serving; the GPU uses kernels_rocm and is tested against this file.
+softmax in fp32. To keep memory bounded for long prompts and mixed prefill/decode batches, the
+batch is cut into groups whose padded score tensor stays under a budget; a long prompt is cut
+into query chunks, each of which is itself a valid "sequence" (fewer rows, shorter context).
+The grouping reads metadata on the host, so this path is never captured in a CUDA graph.
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from model_ops.attention.metadata import AttentionMetadata
+
+# fp32 elements in one group's score tensor (256 MiB); einsum + softmax hold about three of them.
+SCORE_BUDGET = 1 << 26
 
 
 def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -68,6 +76,55 @@ def padded_causal_attention(
     return out.reshape(batch, meta.max_query_len, num_heads, -1)[seq_idx, row].to(q.dtype)
 
 
+@dataclass
+class SegmentGroup:
+    rows: torch.Tensor  # flat query rows of this group, in order
+    meta: AttentionMetadata  # the group as a batch of its own (slot_mapping unused)
+
+
+def segment_groups(meta: AttentionMetadata, num_heads: int, budget: int = SCORE_BUDGET) -> Iterator[SegmentGroup]:
+    """Cut a batch into groups whose padded scores (segments x max rows x max context x heads)
+    fit the budget. A segment is a run of one sequence's query rows; rows j0..j1 of a sequence
+    with context c and q_len n form a sequence of n' = j1 - j0 rows and context c - n + j1."""
+    device = meta.query_start_loc.device
+    qsl = meta.query_start_loc.tolist()
+    ctx = meta.context_lens.tolist()
+    segments = []  # (seq, first flat row, rows, context)
+    for b, c in enumerate(ctx):
+        start, n = qsl[b], qsl[b + 1] - qsl[b]
+        chunk = max(1, budget // max(1, c * num_heads))
+        for j0 in range(0, n, chunk):
+            j1 = min(n, j0 + chunk)
+            segments.append((b, start + j0, j1 - j0, c - n + j1))
+
+    group: list[tuple[int, int, int, int]] = []
+    max_rows = max_ctx = 0
+    for seg in segments + [None]:
+        if seg is not None:
+            rows, c = max(max_rows, seg[2]), max(max_ctx, seg[3])
+            if not group or (len(group) + 1) * rows * c * num_heads <= budget:
+                group.append(seg)
+                max_rows, max_ctx = rows, c
+                continue
+        yield _make_group(group, meta, max_rows, max_ctx, device)
+        group, max_rows, max_ctx = ([seg], seg[2], seg[3]) if seg is not None else ([], 0, 0)
+
+
+def _make_group(group, meta: AttentionMetadata, max_rows: int, max_ctx: int, device) -> SegmentGroup:
+    seqs = torch.tensor([s[0] for s in group], device=device)
+    rows = torch.cat([torch.arange(s[1], s[1] + s[2], device=device) for s in group])
+    lens = torch.tensor([0] + [s[2] for s in group], device=device, dtype=torch.int32)
+    sub = AttentionMetadata(
+        query_start_loc=lens.cumsum(0, dtype=torch.int32),
+        context_lens=torch.tensor([s[3] for s in group], device=device, dtype=torch.int32),
+        block_tables=meta.block_tables[seqs],
+        slot_mapping=meta.slot_mapping[rows],
+        max_query_len=max_rows,
+        max_context_len=max_ctx,
+    )
+    return SegmentGroup(rows, sub)
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
@@ -76,6 +133,9 @@ def paged_attention(
     MLA's absorbed decode is the same call with one KV head: k_cache = latent rows [.., 1, L+R],
     v_cache = the first L columns of the same rows.
     """
-    keys = gather_cache(k_cache, meta.block_tables, meta.max_context_len)
-    values = gather_cache(v_cache, meta.block_tables, meta.max_context_len)
-    return padded_causal_attention(q, keys, values, meta, scale)
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    for g in segment_groups(meta, q.shape[1]):
+        keys = gather_cache(k_cache, g.meta.block_tables, g.meta.max_context_len)
+        values = gather_cache(v_cache, g.meta.block_tables, g.meta.max_context_len)
+        out[g.rows] = padded_causal_attention(q[g.rows], keys, values, g.meta, scale)
+    return out

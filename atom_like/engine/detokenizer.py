@@ -1,0 +1,42 @@
+"""Incremental detokenization and stop strings.
+
+Decoding the growing token list in a window (a few earlier tokens for context, then the new
+ones) and keeping only the new characters gives the same text as decoding everything at once,
+including tokenizers that drop a leading space at the start of a decode, and holds back a
+partial UTF-8 character until its last byte arrives.
+"""
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], stop: list[str]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = stop
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> bool:
+        """Append one generated token; True when a stop string completed (text is cut before it)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return False
+        before = len(self.text)
+        self.text += full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        for s in self.stop:
+            at = self.text.find(s, max(0, before - len(s) + 1))
+            if at != -1:
+                self.text = self.text[:at]
+                return True
+        return False

@@ -1,0 +1,185 @@
+"""LLMEngine: the public, synchronous engine API (`add_request` / `step` / `generate`)."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from atom_like.config import (EngineArgs, load_model_config, resolve_device, resolve_dtype,
+                              resolve_max_model_len, text_config)
+from atom_like.engine.block_manager import BlockManager
+from atom_like.engine.detokenizer import IncrementalDetokenizer
+from atom_like.engine.model_runner import ModelRunner
+from atom_like.engine.scheduler import Scheduler
+from atom_like.engine.sequence import Sequence
+from atom_like.sampling_params import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    num_seen: int = 0  # generated tokens already passed through the detokenizer
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.args = EngineArgs(model=model, **engine_args)
+        if self.args.model is None:
+            raise ValueError("no model given: pass a checkpoint folder (--model DIR)")
+        self.hf_config = load_model_config(self.args.model, self.args.trust_remote_code)
+        self.device = resolve_device(self.args.device)
+        self.dtype = resolve_dtype(self.args.dtype, self.hf_config, self.device)
+        self.max_model_len = resolve_max_model_len(self.args.max_model_len, self.hf_config)
+        self.tokenizer = self._load_tokenizer()
+        self.runner = ModelRunner(self.args, self.hf_config, self.device, self.dtype, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size)
+        self.eos_token_ids = self._eos_token_ids()
+        self.scheduler = Scheduler(self.block_manager, self.args.max_num_seqs, self.args.max_num_batched_tokens,
+                                   self.max_model_len, self.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d", self.args.model, self.device,
+                    str(self.dtype).removeprefix("torch."), self.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(**vars(args))
+
+    def _load_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        path = self.args.tokenizer or self.args.model
+        if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+            logger.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", path)
+            return None
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=self.args.trust_remote_code)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        sources = [getattr(text_config(self.hf_config), "eos_token_id", None)]
+        if os.path.isfile(os.path.join(self.args.model, "generation_config.json")):
+            sources.append(GenerationConfig.from_pretrained(self.args.model).eos_token_id)
+        if self.tokenizer is not None:
+            sources.append(self.tokenizer.eos_token_id)
+        for s in sources:
+            ids.update([s] if isinstance(s, int) else (s or []))
+        return ids
+
+    # ------------------------------------------------------------------ requests
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
+            return self.tokenizer(prompt).input_ids
+        ids = list(prompt)
+        if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    prompt_ids: list[int] | None = None) -> str:
+        """Queue one request; raises ValueError, leaving the engine untouched, on bad input.
+        `prompt_ids` skips tokenization when the caller already has the ids (e.g. chat templates)."""
+        params = params if params is not None else SamplingParams()
+        ids = prompt_ids if prompt_ids is not None else self.encode(prompt)
+        self.validate(ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq = Sequence(request_id, ids, params, generator)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None
+        self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None, detok)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish(request.seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns an (accumulated) output for every request that got
+        new tokens or finished in this step."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        results = self.runner.execute(batch)
+        return [self._output(seq) for seq in self.scheduler.update(batch, results)]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        request = self.requests[seq.request_id]
+        if seq.first_token_time is None and seq.num_generated:
+            seq.first_token_time = time.monotonic()
+        generated = seq.generated_ids
+        if request.detokenizer is not None:
+            for n in range(request.num_seen, len(generated)):
+                if request.detokenizer.add(generated[n]):
+                    del seq.token_ids[seq.num_prompt_tokens + n + 1:]
+                    del seq.logprobs[n + 1:]
+                    self.scheduler.finish(seq, "stop")
+                    break
+            generated = seq.generated_ids
+        request.num_seen = len(generated)
+        if seq.finished:
+            del self.requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            text=request.detokenizer.text if request.detokenizer is not None else "", token_ids=list(generated),
+            finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+        )
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion (batched together) and return their outputs in order."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        encoded = [self.encode(p) for p in prompts]
+        for ids, p in zip(encoded, params):
+            self.validate(ids, p)  # all or nothing: a bad prompt adds no request
+        ids = [self.add_request(p, sp, prompt_ids=e) for p, sp, e in zip(prompts, params, encoded)]
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[i] for i in ids]

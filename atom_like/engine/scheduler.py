@@ -1,0 +1,169 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step spends a token budget (`max_num_batched_tokens`): first on running sequences, oldest
+first (a decode costs 1 + k tokens with k draft tokens to verify; an unfinished prompt costs its
+next chunk), then on admitting waiting requests, whose prompts are chunked to fit. Prefill and
+decode rows share one batch. When the KV pool runs out, the newest running sequence is
+preempted: its blocks are freed and it goes back to the front of the queue to be recomputed
+later, so no request is ever lost and the engine never crashes for lack of KV.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from atom_like.engine.block_manager import BlockManager
+from atom_like.engine.sequence import Sequence, SequenceStatus
+from atom_like.sampling_params import TokenLogprobs
+from spec_decode.stats import SpecStats
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # known tokens computed this step (a prompt chunk, or the last sampled token)
+    spec_token_ids: list[int]  # draft tokens verified after them
+    samples: bool  # the step ends at the sequence's last known token, so it yields a new token
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens + len(s.spec_token_ids) for s in self.seqs)
+
+
+@dataclass
+class SeqStepResult:
+    new_token_ids: list[int] = field(default_factory=list)  # accepted drafts, then one sampled token
+    num_accepted: int = 0  # of the verified draft tokens
+    draft_token_ids: list[int] = field(default_factory=list)  # proposals for the next step
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token when asked for
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: set[int], num_spec_tokens: int = 0):
+        self.block_manager = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len, self.eos_token_ids = max_model_len, eos_token_ids
+        self.num_spec_tokens = num_spec_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.spec_stats = SpecStats(num_spec_tokens)
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` wherever it is (running, waiting) and return its blocks."""
+        if seq.finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status, seq.finish_reason, seq.spec_token_ids = SequenceStatus.FINISHED, reason, []
+
+    # ------------------------------------------------------------------ schedule
+
+    def capacity_needed(self, seq: Sequence, num_new: int, num_spec: int, samples: bool) -> int:
+        """Token slots `seq` must own for this step. A sampling step is followed by k-1 draft
+        chain steps whose KV lands past the verified tokens: when all k drafts of a verify step are
+        accepted, the chain writes up to position num_computed + 2k - 1."""
+        lookahead = self.num_spec_tokens - 1 if samples and self.num_spec_tokens else 0
+        return seq.num_computed_tokens + num_new + num_spec + lookahead
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            spec = seq.spec_token_ids if remaining == 1 else []
+            num_new = min(remaining, budget - len(spec))
+            if num_new < 1:
+                break
+            samples = num_new == remaining
+            need = self.capacity_needed(seq, num_new, len(spec), samples)
+            while not self.block_manager.ensure_capacity(seq, need):
+                self._preempt(self.running[-1])
+                preempted = True
+                if seq.status is not SequenceStatus.RUNNING:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            scheduled.append(ScheduledSeq(seq, num_new, list(spec), samples))
+            budget -= num_new + len(spec)
+            i += 1
+
+        # Admitting new work in a step that had to preempt would only thrash the pool.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(remaining, budget)
+            samples = num_new == remaining
+            if not self.block_manager.ensure_capacity(seq, self.capacity_needed(seq, num_new, 0, samples)):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new, [], samples))
+            budget -= num_new
+        return ScheduledBatch(scheduled)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+        seq.status, seq.num_computed_tokens, seq.spec_token_ids = SequenceStatus.WAITING, 0, []
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ results
+
+    def update(self, batch: ScheduledBatch, results: list[SeqStepResult]) -> list[Sequence]:
+        """Apply one step's results; returns the sequences that received tokens or finished."""
+        touched = []
+        for item, result in zip(batch.seqs, results, strict=True):
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += item.num_new_tokens + result.num_accepted
+            if item.spec_token_ids:
+                self.spec_stats.observe(len(item.spec_token_ids), result.num_accepted)
+            if not item.samples:
+                continue
+            for n, token in enumerate(result.new_token_ids):
+                seq.token_ids.append(token)
+                if result.logprobs:
+                    seq.logprobs.append(result.logprobs[n])
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    break
+            else:
+                seq.spec_token_ids = result.draft_token_ids
+            touched.append(seq)
+        if any(item.spec_token_ids for item in batch.seqs):
+            self.spec_stats.end_step()
+        return touched
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in self.eos_token_ids and not seq.params.ignore_eos:
+            return "stop"
+        if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

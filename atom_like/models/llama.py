@@ -1,0 +1,115 @@
+"""Llama (LlamaForCausalLM): RMSNorm, RoPE (incl. llama3 / yarn scaling), GQA, SwiGLU."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from atom_like.loader.weights import WeightMap
+from atom_like.models.base import CausalLM
+from model_ops.activation import silu_and_mul
+from model_ops.attention.layer import PagedAttention
+from model_ops.attention.metadata import AttentionMetadata
+from model_ops.embed_head import LMHead, VocabEmbedding
+from model_ops.layernorm import RMSNorm
+from model_ops.linear import Linear, MergedLinear
+from model_ops.rotary import RotaryEmbedding
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+def llama_head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, input_size: int | None = None):
+        """`input_size` differs from hidden_size only for EAGLE3 drafts (2H-wide input)."""
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = llama_head_dim(config)
+        bias = getattr(config, "attention_bias", False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(input_size or config.hidden_size, [q_size, kv_size, kv_size], bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=bias)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = self.rotary.apply(q.view(-1, self.num_heads, self.head_dim), *cos_sin)
+        k = self.rotary.apply(k.view(-1, self.num_kv_heads, self.head_dim), *cos_sin)
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (layer output, residual stream before it); their sum is the next layer's input."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, meta)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config, llama_head_dim(config))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos_sin, meta)
+        return self.norm.add_forward(hidden, residual)[0]
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, tied_to=tied)
+
+    def forward(self, input_ids, positions, meta):
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def weight_map(self) -> WeightMap:
+        skip = [("rotary_emb.inv_freq", "rotary frequency buffers (recomputed from the config)")]
+        if self.config.tie_word_embeddings:
+            skip.append(("lm_head.weight", "lm_head.weight (tied to embed_tokens)"))
+        packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        return WeightMap(packed=packed, skip=tuple(skip))

@@ -1,0 +1,56 @@
+"""Attention layers that own a slice of the paged KV pool.
+
+A layer says what one cache looks like (`kv_cache_shape`); a KV builder allocates the pool and
+binds each layer's view plus the backend chosen for it. Model code only calls `forward`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from model_ops.attention.backends import AttentionBackend, AttentionKind
+from model_ops.attention.metadata import AttentionMetadata
+
+
+class CachedAttention(nn.Module, ABC):
+    kind: AttentionKind
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of this layer's cache for a pool of `num_blocks` blocks."""
+
+    def bind_kv_cache(self, cache: torch.Tensor, backend: AttentionBackend) -> None:
+        self.kv_cache, self.backend = cache, backend
+
+    def _bound(self) -> tuple[torch.Tensor, AttentionBackend]:
+        if self.kv_cache is None or self.backend is None:
+            raise RuntimeError(f"{type(self).__name__} ran before a KV builder bound its cache")
+        return self.kv_cache, self.backend
+
+
+class PagedAttention(CachedAttention):
+    """Multi-head / grouped-query attention over a paged K/V cache."""
+
+    kind: AttentionKind = "mha"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> [T, Hq, D]."""
+        cache, backend = self._bound()
+        backend.write(cache, (k, v), meta.slot_mapping)
+        return backend.attend(q, cache, meta, self.scale)

@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="atom_like",
+    version="0.1.0",
+    description="ATOM-style LLM inference engine with EAGLE3 speculative decoding (PyTorch + Triton)",
+    python_requires=">=3.10",
+    packages=find_packages(include=["atom_like*", "spec_decode*", "model_ops*", "kernels_rocm*"]),
+    include_package_data=True,
+    package_data={"atom_like": ["zoo/models/**/*", "eval/data/*"]},
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.0",
+        "safetensors",
+        "numpy",
+        "tqdm",
+        'triton>=3.2; platform_system == "Linux"',
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "scipy"],
+    },
+)

@@ -1,0 +1,74 @@
+"""Bad input gets a ValueError naming the problem, and the engine keeps serving."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from atom_like import LLMEngine, SamplingParams
+
+OK = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_path):
+    return LLMEngine(llama_path, max_model_len=64)
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], OK, "prompt is empty"),
+    (list(range(64)), OK, "max_model_len"),
+    ([1, 2, 999], OK, r"token ids must be integers in \[0, 128\)"),
+    ("some text", OK, "no tokenizer"),
+])
+def test_bad_prompt(engine, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    assert engine.generate([[1, 2, 3]], OK, use_tqdm=False)[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompt_in_generate_adds_nothing(engine):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.generate([[1, 2], []], OK, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert engine.generate([[5, 6]], OK, use_tqdm=False)[0].token_ids
+
+
+def test_unknown_architecture(llama_path, tmp_path):
+    path = shutil.copytree(llama_path, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["MysteryForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unknown model architecture.*MysteryForCausalLM.*supported: LlamaForCausalLM"):
+        LLMEngine(str(path))
+
+
+def test_missing_weight_file(llama_path, tmp_path):
+    path = shutil.copytree(llama_path, tmp_path / "m")
+    os.remove(path / "model.safetensors")
+    with pytest.raises(ValueError, match="no weight file"):
+        LLMEngine(str(path))
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        LLMEngine(str(tmp_path))
+
+
+def test_tensor_parallel_not_supported(llama_path):
+    with pytest.raises(ValueError, match="tensor-parallel-size 2"):
+        LLMEngine(llama_path, tensor_parallel_size=2)

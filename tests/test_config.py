@@ -1,0 +1,34 @@
+"""EngineArgs: one dataclass, both flag spellings."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from atom_like import EngineArgs
+
+
+def parse(argv):
+    return EngineArgs.from_cli_args(EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(argv))
+
+
+def test_kebab_and_snake_spellings_agree():
+    a = parse(["--model", "m", "--max-num-seqs", "7", "--max-model-len", "99", "--enforce-eager", "--gpu-memory-utilization", "0.5"])
+    b = parse(["--model", "m", "--max_num_seqs", "7", "--max_model_len", "99", "--enforce_eager", "--gpu_memory_utilization", "0.5"])
+    assert a == b
+    assert (a.max_num_seqs, a.max_model_len, a.enforce_eager, a.gpu_memory_utilization) == (7, 99, True, 0.5)
+
+
+def test_tp_short_flag_and_limit():
+    with pytest.raises(ValueError, match="tensor-parallel-size 8"):
+        parse(["--model", "m", "-tp", "8"])
+    assert parse(["--model", "m", "-tp", "1"]).tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--dtype", "int8"], "--dtype"), (["--device", "tpu"], "--device"), (["--block-size", "12"], "power of two"),
+    (["--kv-cache-dtype", "fp8"], "kv-cache-dtype"), (["--gpu-memory-utilization", "1.5"], "gpu-memory-utilization"),
+])
+def test_bad_flags_are_named(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse(["--model", "m", *argv])

@@ -1,0 +1,75 @@
+"""Sampling: reproducible with a seed, top_k=1 is greedy, and the empirical distribution of
+temperature / top-k / top-p sampling matches the processed softmax."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from atom_like import LLMEngine, SamplingParams
+from model_ops.sampling import SamplingTensors, processed_probs, sample_tokens
+
+PROMPTS = [[3, 17, 42, 9], [100, 2, 5]]
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llama_path):
+    engine = LLMEngine(llama_path, max_model_len=128)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = engine.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].token_ids
+    noisy = SamplingParams(temperature=1.3, max_tokens=16, ignore_eos=True)  # unseeded neighbours
+    together = engine.generate([PROMPTS[1], PROMPTS[0], PROMPTS[1]], [noisy, seeded, noisy], use_tqdm=False)
+    assert together[1].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=99, ignore_eos=True)
+    assert engine.generate([PROMPTS[0]], other_seed, use_tqdm=False)[0].token_ids != alone
+
+
+def test_top_k_1_equals_greedy(llama_path):
+    engine = LLMEngine(llama_path, max_model_len=128)
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    top1 = engine.generate(PROMPTS, SamplingParams(temperature=0.8, top_k=1, max_tokens=20, ignore_eos=True),
+                           use_tqdm=False)
+    assert [o.token_ids for o in top1] == [o.token_ids for o in greedy]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.0, -1, 0.8), (1.5, 5, 0.9)])
+def test_empirical_distribution_matches_softmax(temperature, top_k, top_p):
+    vocab, n = 12, 40000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(7)) * 2
+    st = SamplingTensors.build([temperature] * n, [top_k] * n, [top_p] * n, [None] * n, vocab, torch.device("cpu"))
+    tokens = sample_tokens(logits.expand(n, vocab), st, torch.Generator().manual_seed(0))
+    counts = np.bincount(tokens.numpy(), minlength=vocab)
+
+    # the expected distribution, written out directly: top-k first, then top-p over the
+    # renormalised top-k set (the order transformers' warpers and vLLM use)
+    p = torch.softmax(logits[0] / temperature, -1)
+    order = p.argsort(descending=True).tolist()
+    if top_k > 0:
+        order = order[:top_k]
+    topk_mass = sum(p[t].item() for t in order)
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    mass = 0.0
+    for rank, t in enumerate(order):
+        if rank > 0 and mass >= top_p:
+            break
+        keep[t] = True
+        mass += p[t].item() / topk_mass
+    expected = torch.where(keep, p, 0.0)
+    expected = (expected / expected.sum()).numpy()
+    assert counts[~keep.numpy()].sum() == 0, "sampled a token outside top-k/top-p"
+    np.testing.assert_allclose(processed_probs(logits, st.rows(torch.tensor([0])))[0].numpy(), expected, atol=1e-6)
+    support = keep.numpy()
+    f_exp = expected[support].astype(np.float64)
+    _, pvalue = stats.chisquare(counts[support], f_exp / f_exp.sum() * counts.sum())
+    assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}"
+
+
+def test_logprobs_are_log_softmax(llama_path):
+    engine = LLMEngine(llama_path, max_model_len=128)
+    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok and len(lp.top) == 3
+        assert max(lp.top.values()) == pytest.approx(lp.logprob)  # greedy picks the most likely token
+        assert all(v <= 0 for v in lp.top.values())
