@@ -27,7 +27,7 @@ LOG2E = 1.4426950408889634
 # Split-KV policy. Splitting pays off when the 2D grid cannot fill the GPU (small batches, long
 # contexts) and only for short query blocks (decode and speculative verify); prefill has enough
 # q blocks to fill the GPU on its own.
-MAX_KV_SPLITS = 64
+MAX_KV_SPLITS = 128
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLIT_QUERY_LEN = 16
 PROGRAMS_PER_COMPUTE_UNIT = 4
@@ -123,7 +123,7 @@ def _merge_segments_kernel(
     denom = tl.sum(weights * seg_sum, axis=0)
     offs_d = tl.arange(0, HEAD_PAD)
     acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
-    # Loop instead of a [NUM_SEGMENTS, HEAD_PAD] tile: 64 segments x 512 (MLA) would not fit registers.
+    # Loop instead of a [NUM_SEGMENTS, HEAD_PAD] tile: 128 segments x 512 (MLA) would not fit registers.
     for s in range(NUM_SEGMENTS):
         w = tl.exp2(tl.load(part_max_ptr + base + s) - global_max)
         acc += w * tl.load(part_acc_ptr + (base + s) * HEAD_PAD + offs_d)

@@ -68,7 +68,7 @@ def moe_align_block_size(
     return sorted_ids, expert_ids, num_padded
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,

@@ -26,12 +26,14 @@ def make_metadata(
 ) -> AttentionMetadata:
     """Metadata for sequences whose blocks are distinct random ids in [first_block_id, num_blocks).
 
-    Table entries past a sequence's last block are random valid ids too, so a kernel that reads
-    past the context reads real (wrong) data instead of failing quietly on zeros.
+    The first block of sequence 0 is always the last block of the pool (offset bugs show first
+    at the end of an allocation). Table entries past a sequence's last block are random valid ids
+    too, so a kernel that reads past the context reads real (wrong) data instead of zeros.
     """
     blocks_per_seq = [-(-c // block_size) for c in context_lens]
     width = max(blocks_per_seq)
-    pool = torch.randperm(num_blocks - first_block_id, generator=generator) + first_block_id
+    pool = torch.randperm(num_blocks - first_block_id - 1, generator=generator) + first_block_id
+    pool = torch.cat([torch.tensor([num_blocks - 1]), pool])
     if sum(blocks_per_seq) > pool.numel():
         raise ValueError("pool too small for the requested contexts")
     table = pool[torch.randint(0, pool.numel(), (len(q_lens), width), generator=generator)]

@@ -14,7 +14,6 @@ from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache
 from kernels_rocm.mla_decode import mla_paged_attention
 from kernels_rocm.paged_attention import paged_attention
 from model_ops.attention import torch_ref
-from model_ops.attention.metadata import slots_for_positions
 
 NUM_BLOCKS = 65_536 + 512
 FIRST_HIGH_BLOCK = 65_536
@@ -24,12 +23,8 @@ Q_LENS, CTX_LENS = [1, 4, 33], [40, 100, 33]  # decode, verify, prefill
 
 @pytest.fixture(scope="module")
 def meta():
-    g = torch.Generator().manual_seed(0)
-    meta = make_metadata(Q_LENS, CTX_LENS, BLOCK_SIZE, NUM_BLOCKS, g, first_block_id=FIRST_HIGH_BLOCK)
-    meta.block_tables[0, 0] = NUM_BLOCKS - 1  # the very last block of the pool
-    seq_of_token = torch.repeat_interleave(torch.arange(len(Q_LENS)), torch.tensor(Q_LENS))
-    positions = torch.cat([torch.arange(c - q, c) for q, c in zip(Q_LENS, CTX_LENS)])
-    meta.slot_mapping = slots_for_positions(meta.block_tables[seq_of_token], positions, BLOCK_SIZE)
+    meta = make_metadata(Q_LENS, CTX_LENS, BLOCK_SIZE, NUM_BLOCKS, torch.Generator().manual_seed(0), FIRST_HIGH_BLOCK)
+    assert meta.block_tables[0, 0] == NUM_BLOCKS - 1
     return meta
 
 
