@@ -8,7 +8,8 @@ Measures
   (goal >= 80% at long context), and the speedup over the PyTorch reference (skipped where its
   padded working set exceeds REF_MAX_BYTES);
 - fused MoE (bf16) vs the per-expert PyTorch loop, E=64/top-8/H=2048/I=1024 and a Kimi TP8 shard
-  (E=384, top-8, H=7168, I=256), T = 1..512: GB/s over the weights of the experts actually hit.
+  (E=384, top-8, H=7168, I=256), T = 1..512: GB/s over the weights of the experts actually hit;
+- fused residual-add + RMSNorm at H=7168 vs the eager HF-style version.
 Every timed kernel output is also checked against its reference (relative error); a failed check
 makes the run exit 1. Times are medians of triton.testing.do_bench (L2 flushed between reps).
 
@@ -37,6 +38,7 @@ from triton.testing import do_bench  # noqa: E402
 from kernels_rocm.fused_moe import fused_moe, moe_reference  # noqa: E402
 from kernels_rocm.mla_decode import mla_paged_attention  # noqa: E402
 from kernels_rocm.paged_attention import paged_attention  # noqa: E402
+from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm_reference  # noqa: E402
 from model_ops.attention import torch_ref  # noqa: E402
 from model_ops.attention.metadata import AttentionMetadata  # noqa: E402
 
@@ -45,6 +47,8 @@ BLOCK_SIZE = 16
 BATCH_SIZES = (1, 8, 32, 64)
 CONTEXTS = (1024, 8192, 32768)
 MOE_TOKENS = (1, 8, 32, 128, 512)
+NORM_TOKENS = (1, 64, 512, 4096)
+NORM_HIDDEN = 7168  # Kimi
 MOE_SHAPES = {  # name -> (experts, top_k, hidden, intermediate)
     "E64 top8 H2048 I1024": (64, 8, 2048, 1024),
     "Kimi TP8 E384 top8 H7168 I256": (384, 8, 7168, 256),
@@ -234,6 +238,35 @@ def bench_moe(copy_gbps: float, shapes: dict[str, tuple[int, int, int, int]] | N
     return rows
 
 
+@dataclass
+class NormRow:
+    tokens: int
+    ms: float
+    gbps: float
+    fraction_of_copy: float
+    eager_ms: float
+    speedup: float
+    rel_err: float
+
+
+def bench_rms_norm(copy_gbps: float, hidden: int = NORM_HIDDEN, token_counts=NORM_TOKENS) -> list[NormRow]:
+    """fused_add_rms_norm vs eager `x + residual` then RMSNorm; bytes = x, residual, weight read +
+    residual, out written."""
+    rows = []
+    eps = 1e-6
+    for tokens in token_counts:
+        x, residual = torch.randn(2, tokens, hidden, dtype=DTYPE, device="cuda")
+        weight = torch.randn(hidden, dtype=DTYPE, device="cuda")
+        out = torch.empty_like(x)
+        ms = time_ms(lambda: fused_add_rms_norm(x, residual, weight, eps, out=out))
+        eager_ms = time_ms(lambda: rms_norm_reference(x + residual, weight, eps))
+        expected = rms_norm_reference(x + residual, weight, eps)
+        err = rel_error(fused_add_rms_norm(x, residual.clone(), weight, eps)[0], expected)
+        gbps = (4 * tokens + 1) * hidden * DTYPE.itemsize / ms / 1e6
+        rows.append(NormRow(tokens, ms, gbps, gbps / copy_gbps, eager_ms, eager_ms / ms, err))
+    return rows
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -271,12 +304,26 @@ def to_markdown(results: dict) -> str:
             f"{r['fraction_of_copy'] * 100:.0f}% | {r['tflops']:.1f} | {r['ref_ms'] * 1e3:.0f} | "
             f"{r['speedup']:.1f} | {r['rel_err']:.1e} |"
         )
+    lines += [
+        "",
+        f"## Fused residual add + RMSNorm (H={NORM_HIDDEN})",
+        "",
+        "| T | µs | GB/s | % of copy | eager µs | speedup | rel err |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results["rms_norm"]:
+        lines.append(
+            f"| {r['tokens']} | {r['ms'] * 1e3:.1f} | {r['gbps']:.0f} | {r['fraction_of_copy'] * 100:.0f}% | "
+            f"{r['eager_ms'] * 1e3:.1f} | {r['speedup']:.1f} | {r['rel_err']:.1e} |"
+        )
     lines += ["", "## Checks", ""]
     lines += [f"- {line}" for line in results["summary"]]
     return "\n".join(lines) + "\n"
 
 
-def _summarize(attention: list[AttentionRow], moe: list[MoeRow]) -> tuple[list[str], list[str]]:
+def _summarize(
+    attention: list[AttentionRow], moe: list[MoeRow], norms: list[NormRow]
+) -> tuple[list[str], list[str]]:
     """(summary lines, failures). Correctness failures fail the run; the bandwidth goal is reported."""
     failures = [
         f"{r.kernel} batch {r.batch} ctx {r.context}: rel err {r.rel_err:.2e} > {REL_TOL}"
@@ -284,6 +331,9 @@ def _summarize(attention: list[AttentionRow], moe: list[MoeRow]) -> tuple[list[s
     ] + [
         f"MoE {r.shape} T={r.tokens}: rel err {r.rel_err:.2e} > {REL_TOL}"
         for r in moe if not r.rel_err <= REL_TOL
+    ] + [
+        f"RMSNorm T={r.tokens}: rel err {r.rel_err:.2e} > {REL_TOL}"
+        for r in norms if not r.rel_err <= REL_TOL
     ]
     summary = []
     long_context = max(r.context for r in attention)
@@ -306,7 +356,8 @@ def run_all(out_dir: Path, quick: bool = False) -> dict:
     copy = measure_copy_bandwidth()
     attention = bench_mha_decode(copy["gbps"], batch_sizes, contexts) + bench_mla_decode(copy["gbps"], batch_sizes, contexts)
     moe = bench_moe(copy["gbps"], token_counts=moe_tokens)
-    summary, failures = _summarize(attention, moe)
+    norms = bench_rms_norm(copy["gbps"], token_counts=(1, 4096) if quick else NORM_TOKENS)
+    summary, failures = _summarize(attention, moe, norms)
     results = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -314,6 +365,7 @@ def run_all(out_dir: Path, quick: bool = False) -> dict:
         "copy": copy,
         "attention": [asdict(r) for r in attention],
         "moe": [asdict(r) for r in moe],
+        "rms_norm": [asdict(r) for r in norms],
         "summary": summary,
         "failures": failures,
     }

@@ -8,7 +8,8 @@ same bf16 inputs; the relative error ||out - ref|| / ||ref|| must stay below 1e-
 element must be finite (outputs are poisoned with NaN first).
 Sizes: Kimi MLA absorbed decode (L=512, R=64; 8, 16 and 64 heads), Kimi EAGLE3 MHA draft
 (8/8 and 64/64 heads, D=128), SmolLM2 (9/3 heads, D=64); contexts up to 32k; block ids >= 65,536
-with the 32 KiB block stride of the ATOM/aiter failure and pools past 4 GiB.
+with the 32 KiB block stride of the ATOM/aiter failure and pools past 4 GiB; fused MoE at
+E=64/H=2048/I=1024 and a Kimi TP8 shard; RMSNorm at H=7168; graph capture + replay.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from kernels_rocm.fused_moe import fused_moe, moe_reference  # noqa: E402
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache  # noqa: E402
 from kernels_rocm.mla_decode import mla_paged_attention  # noqa: E402
 from kernels_rocm.paged_attention import paged_attention  # noqa: E402
+from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_reference  # noqa: E402
 from model_ops.attention import torch_ref  # noqa: E402
 from model_ops.attention.metadata import AttentionMetadata  # noqa: E402
 
@@ -237,6 +239,20 @@ def test_fused_moe(shape, num_tokens):
     x, w13, w2, weights, ids = _moe_inputs(shape, num_tokens)
     out = fused_moe(x, w13, w2, weights, ids, out=_poisoned(x.shape))
     assert_rel_close(out, moe_reference(x.float(), w13.float(), w2.float(), weights, ids))
+
+
+# ------------------------------------------------------------------------------------ RMSNorm
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 4096])
+def test_rms_norm_kimi_hidden(num_tokens):
+    g = torch.Generator(device=DEVICE).manual_seed(num_tokens)
+    x, residual = torch.randn(2, num_tokens, 7168, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.randn(7168, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    assert_rel_close(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6).float())
+    expected_residual = x + residual
+    out, _ = fused_add_rms_norm(x, residual, weight, 1e-6, out=_poisoned(x.shape))
+    assert torch.equal(residual, expected_residual)
+    assert_rel_close(out, rms_norm_reference(expected_residual, weight, 1e-6).float())
 
 
 # ------------------------------------------------------------------------------- graph capture
