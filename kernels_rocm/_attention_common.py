@@ -174,9 +174,27 @@ def choose_num_segments(
     return splits
 
 
-def check_num_segments(num_kv_splits: int) -> None:
+def plan_split(
+    num_kv_splits: int | None,
+    programs_per_segment: int,
+    max_query_len: int,
+    max_context_len: int,
+    out: torch.Tensor,
+    head_pad: int,
+) -> tuple[int, SplitBuffers | None, tuple[torch.Tensor, ...]]:
+    """(split count, partial buffers or None, the three partial-pointer kernel args).
+
+    `num_kv_splits` None picks the count with `choose_num_segments`; without a split the kernel
+    writes `out` directly and its partial-pointer args are unused placeholders.
+    """
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_segments(programs_per_segment, max_query_len, max_context_len, out.device)
     if not (1 <= num_kv_splits <= MAX_KV_SPLITS) or num_kv_splits & (num_kv_splits - 1):
         raise ValueError(f"num_kv_splits must be a power of two in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
+    if num_kv_splits == 1:
+        return 1, None, (out, out, out)
+    split = SplitBuffers(out.shape[0], out.shape[1], num_kv_splits, head_pad, out.device)
+    return num_kv_splits, split, (split.acc, split.max, split.sum)
 
 
 def check_metadata(

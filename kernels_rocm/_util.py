@@ -1,4 +1,5 @@
-"""Host-side helpers shared by the kernel wrappers: input validation, launch constants, device facts.
+"""Host-side helpers shared by the kernel wrappers: input validation, launch constants, device
+facts, and one fix to Triton's CPU interpreter.
 
 Nothing here launches a kernel or reads device memory, so every wrapper stays CUDA/HIP-graph
 capturable: all decisions are made from shapes, dtypes and host ints.

@@ -18,12 +18,10 @@ import triton.language as tl
 
 from kernels_rocm._attention_common import (
     LOG2E,
-    SplitBuffers,
     check_metadata,
-    check_num_segments,
-    choose_num_segments,
     locate_q_block,
     online_softmax_step,
+    plan_split,
     segment_tile_range,
     store_rows,
 )
@@ -189,17 +187,14 @@ def mla_paged_attention(
     rope_pad = max(16, triton.next_power_of_2(rope_dim))
 
     active_programs = num_seqs * triton.cdiv(max_query_len, block_q) * head_groups
-    if num_kv_splits is None:
-        num_kv_splits = choose_num_segments(active_programs, max_query_len, max_context_len, q_latent.device)
-    check_num_segments(num_kv_splits)
-    split = (
-        SplitBuffers(num_tokens, num_heads, num_kv_splits, latent_pad, q_latent.device) if num_kv_splits > 1 else None
+    num_kv_splits, split, partials = plan_split(
+        num_kv_splits, active_programs, max_query_len, max_context_len, out, latent_pad
     )
 
     grid = (num_tokens // block_q + num_seqs, head_groups, num_kv_splits)
     _mla_attention_kernel[grid](
         q_latent, q_pe, kv_cache, out,
-        split.acc if split else out, split.max if split else out, split.sum if split else out,
+        *partials,
         query_start_loc, context_lens, block_tables,
         num_seqs, num_heads, scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1),

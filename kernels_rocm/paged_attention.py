@@ -17,12 +17,10 @@ import triton.language as tl
 
 from kernels_rocm._attention_common import (
     LOG2E,
-    SplitBuffers,
     check_metadata,
-    check_num_segments,
-    choose_num_segments,
     locate_q_block,
     online_softmax_step,
+    plan_split,
     segment_tile_range,
     store_rows,
 )
@@ -186,15 +184,14 @@ def paged_attention(
     head_pad = max(16, triton.next_power_of_2(head_dim))
 
     active_programs = num_seqs * triton.cdiv(max_query_len, block_q) * num_kv_heads
-    if num_kv_splits is None:
-        num_kv_splits = choose_num_segments(active_programs, max_query_len, max_context_len, q.device)
-    check_num_segments(num_kv_splits)
-    split = SplitBuffers(num_tokens, num_heads, num_kv_splits, head_pad, q.device) if num_kv_splits > 1 else None
+    num_kv_splits, split, partials = plan_split(
+        num_kv_splits, active_programs, max_query_len, max_context_len, out, head_pad
+    )
 
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
-        split.acc if split else out, split.max if split else out, split.sum if split else out,
+        *partials,
         query_start_loc, context_lens, block_tables,
         num_seqs, num_heads, scale * LOG2E,
         q.stride(0), q.stride(1),

@@ -13,22 +13,17 @@ E=64/H=2048/I=1024 and a Kimi TP8 shard; RMSNorm at H=7168; graph capture + repl
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_kernel_cases.py
-
-from _kernel_cases import make_metadata, metadata_args  # noqa: E402
-from kernels_rocm.fused_moe import fused_moe, moe_reference  # noqa: E402
-from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache  # noqa: E402
-from kernels_rocm.mla_decode import mla_paged_attention  # noqa: E402
-from kernels_rocm.paged_attention import paged_attention  # noqa: E402
-from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_reference  # noqa: E402
-from model_ops.attention import torch_ref  # noqa: E402
-from model_ops.attention.metadata import AttentionMetadata  # noqa: E402
+from _kernel_cases import make_metadata, metadata_args  # tests/ is on sys.path via tests/conftest.py
+from kernels_rocm.fused_moe import fused_moe, moe_reference
+from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache
+from kernels_rocm.mla_decode import mla_paged_attention
+from kernels_rocm.paged_attention import paged_attention
+from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_reference
+from model_ops.attention import torch_ref
+from model_ops.attention.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 
