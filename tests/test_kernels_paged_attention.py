@@ -32,7 +32,7 @@ def _run_case(batch, num_heads, num_kv_heads, block_size, num_kv_splits, dtype=t
 
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2)], ids=["mha", "gqa3"])
-@pytest.mark.parametrize("num_kv_splits", [None, 1, 8], ids=["auto", "split1", "split8"])
+@pytest.mark.parametrize("num_kv_splits", [1, 8], ids=["split1", "split8"])  # None: see test_split_policy
 def test_matches_reference(batch, num_heads, num_kv_heads, num_kv_splits):
     out, expected = _run_case(batch, num_heads, num_kv_heads, 16, num_kv_splits)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
@@ -85,3 +85,13 @@ def test_strided_pool_views_and_output():
 def test_half_precision(dtype):
     out, expected = _run_case("mixed", 6, 2, 16, 4, dtype=dtype, seed=5)
     torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
+
+
+def test_default_split_policy_on_long_context():
+    # One sequence at 600 tokens: the host policy picks 2 splits here (see test_split_policy).
+    g = torch.Generator().manual_seed(6)
+    meta = make_metadata([1], [600], 16, NUM_BLOCKS, g)
+    k_cache, v_cache = torch.randn(2, NUM_BLOCKS, 16, 2, HEAD_DIM, generator=g)
+    q = torch.randn(1, 4, HEAD_DIM, generator=g)
+    out = paged_attention(q, k_cache, v_cache, *metadata_args(meta), SCALE, out=nan_like(q))
+    torch.testing.assert_close(out, torch_ref.paged_attention(q, k_cache, v_cache, meta, SCALE), atol=2e-5, rtol=2e-5)
