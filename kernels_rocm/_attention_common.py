@@ -10,7 +10,8 @@ Both kernels follow vLLM's unified-attention layout:
   group, not once per head.
 - Grid axis 2 splits a sequence's KV tiles into NUM_SEGMENTS contiguous segments
   (flash-decoding). With one segment the program normalizes and writes the output; otherwise it
-  writes fp32 partials (acc, running max, running sum; log2 domain) that `merge_segments` folds.
+  writes fp32 partials (acc, running max, running sum; log2 domain) that `_merge_segments_kernel`
+  folds (launched by `SplitBuffers.merge_into`).
   The segment count is a host constant per launch and the per-sequence split happens on device,
   so a captured graph stays valid when context lengths change.
 """
