@@ -101,7 +101,8 @@ def store_rows(
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         part = (token * num_heads + head) * NUM_SEGMENTS + segment
-        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=mask)
+        # All HEAD_PAD columns (zeros past HEAD_DIM): the merge kernel reads whole padded rows.
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
         tl.store(part_max_ptr + part, m_i, mask=row_valid)
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
 
