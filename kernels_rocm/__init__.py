@@ -1,0 +1,7 @@
+"""Portable Triton kernels (ROCm and CUDA; CPU through TRITON_INTERPRET=1 for tests).
+
+Imports only torch and triton. Modules: `kv_cache` (paged KV writes, MHA and MLA latent rows),
+`paged_attention` (MHA/GQA), `mla_decode` (absorbed MLA), `fused_moe` (bf16 routed experts),
+`rms_norm` (RMSNorm, optionally fused with the residual add).
+Import the module you need; nothing is imported here so that importing the package stays cheap.
+"""

@@ -1,5 +1,9 @@
 """Shared fixtures: tiny random-init checkpoints written by transformers itself, so every test
-compares the engine against the model code users would otherwise run."""
+compares the engine against the model code users would otherwise run.
+
+CPU CI runs the Triton kernels in the interpreter. Triton reads TRITON_INTERPRET when a kernel
+is decorated, so it is set here, before any test module imports triton.
+"""
 from __future__ import annotations
 
 import json
@@ -8,6 +12,8 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -1,0 +1,245 @@
+"""Compile every kernel for NVIDIA sm_90 (H100/H200) and AMD gfx942 (MI300) / gfx950 (MI355) with no GPU.
+
+The real wrappers run on "meta" tensors at model sizes (Kimi MLA and EAGLE3 draft, SmolLM2, the
+MoE shapes of the benchmark); each kernel launch is compiled for the target instead of launched,
+with exactly the configuration (constexprs, num_warps, num_stages, ROCm tile choices) the wrapper
+picks there. Reports registers, spills and shared memory (LDS) and fails on a compile error, any
+register spill or scratch use, or shared memory above the target's per-block limit.
+
+AMD targets need only triton (its LLVM and linker are bundled). NVIDIA needs ptxas
+(TRITON_PTXAS_PATH, or ptxas on PATH); without it sm_90 is skipped with a note.
+Usage: python ci/compile_kernels.py [--targets sm90,gfx942,gfx950] [--quick]
+Must run without TRITON_INTERPRET (interpreted kernels cannot be compiled).
+Uses Triton 3.6 internals (the JIT binder) to derive signatures the way a launch would.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_kernels: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+if "TRITON_PTXAS_PATH" not in os.environ and shutil.which("ptxas"):
+    os.environ["TRITON_PTXAS_PATH"] = shutil.which("ptxas")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+import kernels_rocm.fused_moe as fused_moe_mod  # noqa: E402
+import kernels_rocm.mla_decode as mla_mod  # noqa: E402
+import kernels_rocm.paged_attention as paged_mod  # noqa: E402
+from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache  # noqa: E402
+from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Target:
+    gpu: GPUTarget
+    shared_limit: int  # bytes of shared memory / LDS one program may use
+
+    @property
+    def is_hip(self) -> bool:
+        return self.gpu.backend == "hip"
+
+
+TARGETS = {
+    "sm90": Target(GPUTarget("cuda", 90, 32), 232_448),  # H100/H200: 227 KiB per block
+    "gfx942": Target(GPUTarget("hip", "gfx942", 64), 65_536),  # MI300X: 64 KiB LDS
+    "gfx950": Target(GPUTarget("hip", "gfx950", 64), 163_840),  # MI355X: 160 KiB LDS
+}
+
+
+def _t(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _attention_metadata(num_seqs: int, max_query_len: int, max_context_len: int, block_size: int = 16):
+    return (
+        _t(num_seqs + 1, dtype=torch.int32), _t(num_seqs, dtype=torch.int32),
+        _t(num_seqs, -(-max_context_len // block_size), dtype=torch.int32), max_query_len, max_context_len,
+    )
+
+
+def _mha(heads, kv_heads, dim, seqs, q_len, ctx, splits):
+    tokens = seqs * q_len
+    pool = _t(2, seqs * ctx // 16 + 1, 16, kv_heads, dim)
+    paged_mod.paged_attention(_t(tokens, heads, dim), pool[0], pool[1], *_attention_metadata(seqs, q_len, ctx),
+                              dim**-0.5, num_kv_splits=splits)
+
+
+def _mla(heads, seqs, q_len, ctx, splits, block_size=16):
+    tokens = seqs * q_len
+    q = _t(tokens, heads, 576)
+    mla_mod.mla_paged_attention(q[..., :512], q[..., 512:], _t(seqs * ctx // block_size + 1, block_size, 576),
+                                *_attention_metadata(seqs, q_len, ctx, block_size), 0.072, num_kv_splits=splits)
+
+
+def _moe(experts, top_k, hidden, inter, tokens):
+    fused_moe_mod.fused_moe(_t(tokens, hidden), _t(experts, 2 * inter, hidden), _t(experts, hidden, inter),
+                            _t(tokens, top_k, dtype=torch.float32), _t(tokens, top_k, dtype=torch.int32))
+
+
+CASES: dict[str, Callable[[], None]] = {
+    "kv write MHA 8x128": lambda: write_kv_cache(_t(64, 8, 128), _t(64, 8, 128), _t(99, 16, 8, 128),
+                                                 _t(99, 16, 8, 128), _t(64, dtype=torch.int64)),
+    "kv write MLA 512+64": lambda: write_mla_kv_cache(_t(64, 512), _t(64, 64), _t(99, 16, 576), _t(64, dtype=torch.int64)),
+    "MHA 8/8 D128 decode split 16": lambda: _mha(8, 8, 128, 4, 1, 32768, 16),
+    "MHA 8/8 D128 decode no split": lambda: _mha(8, 8, 128, 64, 1, 8192, 1),
+    "MHA 8/8 D128 verify 4": lambda: _mha(8, 8, 128, 8, 4, 8192, 4),
+    "MHA 8/8 D128 prefill": lambda: _mha(8, 8, 128, 2, 2048, 4096, None),
+    "MHA 9/3 D64 (SmolLM2) decode split 8": lambda: _mha(9, 3, 64, 8, 1, 8192, 8),
+    "MHA 9/3 D64 prefill": lambda: _mha(9, 3, 64, 2, 1024, 2048, None),
+    "MHA 64/64 D128 decode": lambda: _mha(64, 64, 128, 8, 1, 8192, 1),
+    "MLA 8h decode split 16": lambda: _mla(8, 4, 1, 32768, 16),
+    "MLA 8h verify 4 no split": lambda: _mla(8, 64, 4, 8192, 1),
+    "MLA 16h decode block 64": lambda: _mla(16, 8, 1, 8192, 4, block_size=64),
+    "MLA 64h decode split 128": lambda: _mla(64, 1, 1, 32768, 128),
+    "MoE E64 H2048 I1024 T8": lambda: _moe(64, 8, 2048, 1024, 8),
+    "MoE E64 H2048 I1024 T512": lambda: _moe(64, 8, 2048, 1024, 512),
+    "MoE E384 H7168 I256 T128": lambda: _moe(384, 8, 7168, 256, 128),
+    "RMSNorm H7168": lambda: rms_norm(_t(64, 7168), _t(7168), 1e-6),
+    "add+RMSNorm H7168": lambda: fused_add_rms_norm(_t(64, 7168), _t(64, 7168), _t(7168), 1e-6),
+}
+QUICK_CASES = ("kv write MHA 8x128", "MHA 8/8 D128 decode split 16", "MLA 8h decode split 16",
+               "MoE E64 H2048 I1024 T8", "add+RMSNorm H7168")
+
+
+@dataclass
+class Report:
+    case: str
+    kernel: str
+    target: str
+    registers: int
+    spilled_bytes: int
+    shared: int
+    error: str | None = None
+
+
+def _nvidia_usage(ptx: str) -> tuple[int, int]:
+    """(registers, spill store bytes) from `ptxas -v` on the kernel's PTX."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run([os.environ["TRITON_PTXAS_PATH"], "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    return registers, spills
+
+
+def _amd_usage(amdgcn: str) -> tuple[int, int]:
+    """(VGPRs, spilled VGPR/SGPR count + scratch bytes) from the AMDGCN assembly metadata."""
+    vgprs = int(re.search(r"\.vgpr_count:\s+(\d+)", amdgcn).group(1))
+    spills = sum(int(n) for n in re.findall(r"\.[sv]gpr_spill_count:\s+(\d+)", amdgcn))
+    scratch = int(re.search(r"; ScratchSize: (\d+)", amdgcn).group(1))
+    return vgprs, spills + scratch
+
+
+class _CompileInsteadOfLaunch:
+    """While active, `kernel[grid](...)` compiles for `target` (with the arguments a launch would
+    specialize on) and records a Report instead of launching."""
+
+    def __init__(self, target_name: str, case: str, reports: list[Report], seen: set):
+        self.target_name, self.case, self.reports, self.seen = target_name, case, reports, seen
+
+    def run(self, fn: JITFunction, *args, grid, warmup, **kwargs):
+        target = TARGETS[self.target_name]
+        backend = make_backend(target.gpu)
+        kwargs.setdefault("debug", False)
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound_args, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+        key = (fn.__name__, str(signature), str(constexprs), str(attrs), str(options))
+        if key in self.seen:
+            return None
+        self.seen.add(key)
+        report = Report(self.case, fn.__name__, self.target_name, 0, 0, 0)
+        try:
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target.gpu,
+                                      options=options.__dict__)
+            report.shared = compiled.metadata.shared
+            usage = _amd_usage(compiled.asm["amdgcn"]) if target.is_hip else _nvidia_usage(compiled.asm["ptx"])
+            report.registers, report.spilled_bytes = usage
+        except Exception as exc:  # report every failure, keep compiling the rest
+            report.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+        self.reports.append(report)
+        return None
+
+    @contextlib.contextmanager
+    def active(self):
+        original = JITFunction.run
+        hip = TARGETS[self.target_name].is_hip
+        modules = (paged_mod, mla_mod, fused_moe_mod)
+        saved = [m.IS_HIP for m in modules]
+        JITFunction.run = lambda fn, *a, **k: self.run(fn, *a, **k)
+        for m in modules:
+            m.IS_HIP = hip  # the wrappers' ROCm tile choices follow the target, not this machine
+        try:
+            yield
+        finally:
+            JITFunction.run = original
+            for m, value in zip(modules, saved):
+                m.IS_HIP = value
+
+
+def compile_all(targets: list[str], cases: list[str]) -> list[Report]:
+    reports: list[Report] = []
+    for target_name in targets:
+        seen: set = set()
+        for case in cases:
+            with _CompileInsteadOfLaunch(target_name, case, reports, seen).active():
+                CASES[case]()
+    return reports
+
+
+def failures(reports: list[Report]) -> list[str]:
+    out = []
+    for r in reports:
+        limit = TARGETS[r.target].shared_limit
+        if r.error:
+            out.append(f"{r.case} / {r.kernel} on {r.target}: {r.error}")
+        elif r.spilled_bytes:
+            out.append(f"{r.case} / {r.kernel} on {r.target}: spills ({r.spilled_bytes})")
+        elif r.shared > limit:
+            out.append(f"{r.case} / {r.kernel} on {r.target}: {r.shared} B shared > {limit}")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--quick", action="store_true", help="one case per kernel family")
+    args = parser.parse_args()
+    targets = [t for t in args.targets.split(",") if t]
+    if "sm90" in targets and "TRITON_PTXAS_PATH" not in os.environ:
+        print("compile_kernels: no ptxas found (set TRITON_PTXAS_PATH): skipping sm90")
+        targets.remove("sm90")
+    reports = compile_all(targets, list(QUICK_CASES if args.quick else CASES))
+    print("| case | kernel | target | regs | spills | shared B |\n|---|---|---|---:|---:|---:|")
+    for r in reports:
+        print(f"| {r.case} | {r.kernel} | {r.target} | {r.registers} | {r.spilled_bytes} | {r.shared} |"
+              + (f" ERROR {r.error}" if r.error else ""))
+    failed = failures(reports)
+    for line in failed:
+        print("FAIL", line)
+    print(f"{len(reports)} compiled variants, {len(failed)} failures")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

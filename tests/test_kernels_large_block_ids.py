@@ -1,0 +1,83 @@
+"""Block ids past 65,535: the KV writes land exactly in the intended slots and attention reads them.
+
+The pools hold 66,048 blocks (small rows keep them near 70 MB) and the block tables use only ids
+>= 65,536, including the last block of the pool. Byte offsets past 4 GiB need GPU memory and are
+covered in tests/gpu/test_kernels_gpu.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _kernel_cases import make_metadata, metadata_args, nan_like
+from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache
+from kernels_rocm.mla_decode import mla_paged_attention
+from kernels_rocm.paged_attention import paged_attention
+from model_ops.attention import torch_ref
+
+NUM_BLOCKS = 65_536 + 512
+FIRST_HIGH_BLOCK = 65_536
+BLOCK_SIZE = 16
+Q_LENS, CTX_LENS = [1, 4, 33], [40, 100, 33]  # decode, verify, prefill
+
+
+@pytest.fixture(scope="module")
+def meta():
+    meta = make_metadata(Q_LENS, CTX_LENS, BLOCK_SIZE, NUM_BLOCKS, torch.Generator().manual_seed(0), FIRST_HIGH_BLOCK)
+    assert meta.block_tables[0, 0] == NUM_BLOCKS - 1
+    return meta
+
+
+def _assert_written_exactly(cache, before, slots):
+    """The slots whose rows differ from `before` are exactly the non-negative `slots`."""
+    changed = (cache != before).flatten(2).any(-1).flatten().nonzero().squeeze(1)
+    expected = slots[slots >= 0].sort().values
+    assert expected.min() >= FIRST_HIGH_BLOCK * BLOCK_SIZE
+    assert torch.equal(changed, expected)
+
+
+def test_mha_write_then_attend(meta):
+    g = torch.Generator().manual_seed(1)
+    num_tokens, heads, dim = sum(Q_LENS), 1, 16
+    k_cache, v_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, heads, dim, generator=g)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    key, value = torch.randn(2, num_tokens, heads, dim, generator=g)
+    slots = meta.slot_mapping.clone()
+    slots[2] = -1  # a padding token: must not be written
+
+    write_kv_cache(key, value, k_cache, v_cache, slots)
+    _assert_written_exactly(k_cache, k_before, slots)
+    _assert_written_exactly(v_cache, v_before, slots)
+    written = slots >= 0
+    assert torch.equal(k_cache.flatten(0, 1)[slots[written]], key[written])
+    assert torch.equal(v_cache.flatten(0, 1)[slots[written]], value[written])
+
+    q = torch.randn(num_tokens, 3, dim, generator=g)  # GQA 3:1
+    expected = torch_ref.paged_attention(q, k_cache, v_cache, meta, 0.25)
+    for splits in (1, 4):
+        out = paged_attention(q, k_cache, v_cache, *metadata_args(meta), 0.25, out=nan_like(q), num_kv_splits=splits)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_mla_write_then_attend(meta):
+    g = torch.Generator().manual_seed(2)
+    num_tokens, latent, rope, heads = sum(Q_LENS), 8, 8, 4
+    kv_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, latent + rope, generator=g)
+    before = kv_cache.clone()
+    c_kv = torch.randn(num_tokens, latent, generator=g)
+    k_pe = torch.randn(num_tokens, rope, generator=g)
+
+    write_mla_kv_cache(c_kv, k_pe, kv_cache, meta.slot_mapping)
+    _assert_written_exactly(kv_cache, before, meta.slot_mapping)
+    assert torch.equal(kv_cache.flatten(0, 1)[meta.slot_mapping], torch.cat([c_kv, k_pe], dim=-1))
+
+    q_latent = torch.randn(num_tokens, heads, latent, generator=g)
+    q_pe = torch.randn(num_tokens, heads, rope, generator=g)
+    expected = torch_ref.paged_attention(
+        torch.cat([q_latent, q_pe], -1), kv_cache.unsqueeze(2), kv_cache[..., :latent].unsqueeze(2), meta, 0.2
+    )
+    for splits in (1, 4):
+        out = mla_paged_attention(
+            q_latent, q_pe, kv_cache, *metadata_args(meta), 0.2, out=nan_like(q_latent), num_kv_splits=splits
+        )
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)

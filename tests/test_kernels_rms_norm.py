@@ -1,0 +1,45 @@
+"""kernels_rocm.rms_norm against the HF-style eager RMSNorm."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _kernel_cases import nan_like
+from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_reference
+
+EPS = 1e-6
+
+
+@pytest.mark.parametrize("hidden", [64, 200])  # 200: masked tail of a 256-wide row
+def test_rms_norm(hidden):
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(5, hidden + 8, generator=g)[:, :hidden]  # strided rows
+    weight = torch.randn(hidden, generator=g)
+    out = rms_norm(x, weight, EPS, out=nan_like(x.contiguous()))
+    torch.testing.assert_close(out, rms_norm_reference(x, weight, EPS), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_add_rms_norm(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 96, generator=g).to(dtype)
+    residual = torch.randn(6, 96, generator=g).to(dtype)
+    weight = torch.randn(96, generator=g).to(dtype)
+    expected_residual = x + residual
+    expected = rms_norm_reference(expected_residual, weight, EPS)
+
+    out, new_residual = fused_add_rms_norm(x, residual, weight, EPS, out=nan_like(x))
+    assert new_residual is residual
+    torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+def test_rejects_bad_inputs():
+    x = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.randn(8), EPS)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm(x, torch.randn(2, 8), torch.randn(16), EPS)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm(x, torch.randn(2, 16).half(), torch.randn(16), EPS)
