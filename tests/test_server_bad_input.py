@@ -134,3 +134,8 @@ def test_no_request_was_left_behind(server, http):
     total = server.metric("atom_like:kv_cache_total_blocks")
     assert server.wait_for_metric("atom_like:kv_cache_free_blocks", lambda free: free == total) == total
     assert server.metric("atom_like:request_success_total", '{finished_reason="error"}') == 0
+
+
+def test_whole_numbers_are_fine_where_floats_are_expected(http):
+    response = http.post("/v1/completions", json={**OK, "temperature": 1, "top_p": 1})
+    assert response.status_code == 200, response.text

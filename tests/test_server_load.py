@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -146,3 +147,11 @@ def test_sharegpt_parser_stops_at_the_cut():
     text = '[{"id": "a", "conversations": []}, {"id": "b"},\n {"id": "c", "conv'
     assert [r["id"] for r in benchmark_serving.iter_sharegpt(text)] == ["a", "b"]
     assert [r["id"] for r in benchmark_serving.iter_sharegpt('[{"id": "a"}]')] == ["a"]
+
+
+def test_periodic_stats_log_line(server):
+    deadline = time.monotonic() + 10
+    while "generation throughput" not in server.log_tail(20000) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    line = next(line for line in server.log_tail(20000).splitlines() if "generation throughput" in line)
+    assert "prompt throughput" in line and "running" in line and "waiting" in line and "KV cache usage" in line

@@ -218,6 +218,8 @@ def print_report(summary: dict) -> None:
     if spec:
         rows += [("Acceptance rate", spec["acceptance_rate"]), ("Mean acceptance length", spec["mean_acceptance_length"]),
                  ("Per-position acceptance", " ".join(f"{p:.3f}" for p in spec["per_position_acceptance"]))]
+    else:
+        rows.append(("Speculative decoding", "off (or not reported)"))
     print("=" * 20 + " Serving Benchmark Result " + "=" * 20)
     for name, value in rows:
         print(f"{name:<40}{value:>26.2f}" if isinstance(value, float) else f"{name:<40}{value!s:>26}")

@@ -7,9 +7,8 @@ so the engine thread (which detokenizes) never shares the Rust tokenizer object 
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -117,13 +116,12 @@ class _Generation:
 
 
 def _client_gone() -> Response:
-    # nginx's "client closed request": nobody reads it, but the access log then says what happened.
+    # nginx's "client closed request". Nobody receives it; it only ends the handler cleanly.
     return Response(status_code=499)
 
 
-def _sse(payload: BaseModel | dict) -> str:
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
 
 
 class OpenAIServing:
@@ -137,34 +135,24 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ endpoints
 
-    async def completions(self, body: CompletionRequest, raw_request: Request):
+    async def completions(self, body: CompletionRequest, raw_request: Request) -> Response | BaseModel:
         self._check_common(body)
         if body.echo:
             raise OpenAIError(400, "echo is not supported", "echo")
         prompts = self._completion_prompts(body.prompt)
         requests = self._engine_requests("cmpl", body, prompts, "prompt", body.max_tokens, body.logprobs)
-        generation = _Generation(self.engine_loop, raw_request, requests)
-        try:
-            await generation.start()
-        except _ClientGone:
-            return _client_gone()
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream_completion(generation, body, include_usage),
-                                     media_type="text/event-stream")
-        try:
-            outputs = await generation.final_outputs()
-        except _ClientGone:
-            return _client_gone()
-        finally:
-            generation.close()
-        choices = [CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason,
-                                    logprobs=self._completion_logprobs(out.logprobs, 0) if body.logprobs is not None else None)
-                   for i, out in enumerate(outputs)]
-        return CompletionResponse(id=_base_id(requests), model=self.served_model_name, choices=choices,
-                                  usage=_usage(outputs))
 
-    async def chat(self, body: ChatCompletionRequest, raw_request: Request):
+        def respond(outputs: list[RequestOutput]) -> CompletionResponse:
+            choices = [CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason,
+                                        logprobs=None if body.logprobs is None else self._completion_logprobs(out.logprobs, 0))
+                       for i, out in enumerate(outputs)]
+            return CompletionResponse(id=_base_id(requests), model=self.served_model_name, choices=choices,
+                                      usage=_usage(outputs))
+
+        return await self._generate(requests, raw_request, respond,
+                                    (lambda g: self._stream_completion(g, body)) if body.stream else None)
+
+    async def chat(self, body: ChatCompletionRequest, raw_request: Request) -> Response | BaseModel:
         self._check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -174,24 +162,33 @@ class OpenAIServing:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         requests = self._engine_requests("chatcmpl", body, [(None, prompt_ids)], "messages", max_tokens, logprobs,
                                          max_param)
+
+        def respond(outputs: list[RequestOutput]) -> ChatCompletionResponse:
+            (out,) = outputs
+            choice = ChatChoice(index=0, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
+                                logprobs=ChatLogprobs(content=self._chat_logprobs(out.logprobs)) if body.logprobs else None)
+            return ChatCompletionResponse(id=_base_id(requests), model=self.served_model_name, choices=[choice],
+                                          usage=_usage(outputs))
+
+        return await self._generate(requests, raw_request, respond,
+                                    (lambda g: self._stream_chat(g, body)) if body.stream else None)
+
+    async def _generate(self, requests: list[EngineRequest], raw_request: Request,
+                        respond: Callable[[list[RequestOutput]], BaseModel],
+                        stream: Callable[[_Generation], AsyncIterator[str]] | None) -> Response | BaseModel:
+        """Queue the requests; then stream their events, or wait for them and `respond`."""
         generation = _Generation(self.engine_loop, raw_request, requests)
         try:
             await generation.start()
+            if stream is not None:
+                # The stream closes the generation when it ends, however it ends.
+                return StreamingResponse(stream(generation), media_type="text/event-stream")
+            try:
+                return respond(await generation.final_outputs())
+            finally:
+                generation.close()
         except _ClientGone:
             return _client_gone()
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream_chat(generation, body, include_usage), media_type="text/event-stream")
-        try:
-            (out,) = await generation.final_outputs()
-        except _ClientGone:
-            return _client_gone()
-        finally:
-            generation.close()
-        choice = ChatChoice(index=0, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
-                            logprobs=ChatLogprobs(content=self._chat_logprobs(out.logprobs)) if body.logprobs else None)
-        return ChatCompletionResponse(id=_base_id(requests), model=self.served_model_name, choices=[choice],
-                                      usage=_usage([out]))
 
     # ------------------------------------------------------------------ request -> engine requests
 
@@ -204,7 +201,8 @@ class OpenAIServing:
 
     def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) per prompt."""
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) or not prompt:
+        single = isinstance(prompt, str) or not prompt or isinstance(prompt[0], int)  # else a batch
+        if single:
             prompt = [prompt]
         result = []
         for p in prompt:
@@ -260,7 +258,8 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ streaming
 
-    async def _stream_completion(self, generation: _Generation, body: CompletionRequest, include_usage: bool):
+    async def _stream_completion(self, generation: _Generation, body: CompletionRequest) -> AsyncIterator[str]:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         request_id = _base_id(generation.requests)
         text = _TextDeltas(body.stop, len(generation.requests))
         sent_tokens = [0] * len(generation.requests)
@@ -290,7 +289,8 @@ class OpenAIServing:
         finally:
             generation.close()
 
-    async def _stream_chat(self, generation: _Generation, body: ChatCompletionRequest, include_usage: bool):
+    async def _stream_chat(self, generation: _Generation, body: ChatCompletionRequest) -> AsyncIterator[str]:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         request_id = _base_id(generation.requests)
         text = _TextDeltas(body.stop, 1)
         sent_tokens = 0
