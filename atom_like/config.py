@@ -38,6 +38,9 @@ class EngineArgs:
     kv_cache_dtype: str = field(default="auto", metadata={"help": "KV-cache dtype: auto (= model dtype)."})
     enforce_eager: bool = field(default=False, metadata={"help": "Never use CUDA/HIP graphs."})
     seed: int = field(default=0, metadata={"help": "Seed for requests that bring none."})
+    method: str | None = field(default=None, metadata={"help": "Speculative decoding method: eagle3 (needs --draft-model)."})
+    draft_model: str | None = field(default=None, metadata={"help": "EAGLE3 draft checkpoint folder (LlamaForCausalLMEagle3 or Eagle3DeepseekV2ForCausalLM)."})
+    num_speculative_tokens: int = field(default=3, metadata={"help": "Draft tokens proposed and verified per step (k >= 1)."})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -62,6 +65,25 @@ class EngineArgs:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"--num-kv-blocks must be >= 1; got {self.num_kv_blocks}")
+        if self.method not in (None, "eagle3"):
+            raise ValueError(f"--method {self.method!r} is not supported; the only method is eagle3")
+        if self.method is None and self.draft_model is not None:
+            raise ValueError("--draft-model was given without --method eagle3")
+        if self.method == "eagle3":
+            if self.draft_model is None:
+                raise ValueError("--method eagle3 needs --draft-model DIR (an EAGLE3 draft checkpoint)")
+            if self.num_speculative_tokens < 1:
+                raise ValueError(f"--num-speculative-tokens must be >= 1; got {self.num_speculative_tokens}")
+            if self.max_num_batched_tokens < self.num_speculative_tokens + 1:
+                raise ValueError(
+                    f"--max-num-batched-tokens {self.max_num_batched_tokens} cannot hold one verify step "
+                    f"({self.num_speculative_tokens} draft tokens + 1)"
+                )
+
+    @property
+    def spec_tokens(self) -> int:
+        """Draft tokens per step, 0 without speculation."""
+        return self.num_speculative_tokens if self.method else 0
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

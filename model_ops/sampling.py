@@ -87,10 +87,3 @@ def sample_from(probs: torch.Tensor, generators: list[torch.Generator | None], s
     """One exact draw per row of `probs` (rows need not be normalised)."""
     noise = exponential_noise(tuple(probs.shape), generators, shared, probs.device)
     return (probs / noise).argmax(dim=-1)
-
-
-def sample_tokens(logits: torch.Tensor, st: SamplingTensors, shared: torch.Generator) -> torch.Tensor:
-    """One token per row of `logits`; an all-greedy batch skips the sort and the noise."""
-    if bool(st.greedy.all()):
-        return logits.argmax(dim=-1)
-    return sample_from(processed_probs(logits, st), st.generators, shared)

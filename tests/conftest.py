@@ -63,3 +63,72 @@ def make_llama(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_path(make_llama) -> str:
     return make_llama()
+
+
+def write_eagle3_llama_draft(path: str, target_path: str, *, seed: int = 0, hidden_size: int | None = None,
+                             draft_vocab_size: int | None = None, aux_layer_ids=None, fc_norm: bool = False,
+                             legacy_aux_norm: bool = False, norm_output: bool = False, with_embed: bool = True,
+                             layer_prefix: str = "midlayer.") -> str:
+    """A random-init LlamaForCausalLMEagle3 checkpoint in the lightseekorg/SpecForge layout,
+    written tensor by tensor (independently of the engine's model code)."""
+    from safetensors.torch import save_file
+
+    target = json.load(open(os.path.join(target_path, "config.json")))
+    ht, vocab = target["hidden_size"], target["vocab_size"]
+    h = hidden_size or ht
+    heads, kv_heads, head_dim, inter = 4, 2, h // 4, 2 * h
+    dv = draft_vocab_size or vocab
+    num_aux = len(aux_layer_ids) if aux_layer_ids else 3
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, std=0.15):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    p = layer_prefix
+    t = {"fc.weight": w(h, num_aux * ht), f"{p}input_layernorm.weight": norm(h), f"{p}hidden_norm.weight": norm(h),
+         f"{p}post_attention_layernorm.weight": norm(h),
+         f"{p}self_attn.q_proj.weight": w(heads * head_dim, 2 * h), f"{p}self_attn.k_proj.weight": w(kv_heads * head_dim, 2 * h),
+         f"{p}self_attn.v_proj.weight": w(kv_heads * head_dim, 2 * h), f"{p}self_attn.o_proj.weight": w(h, heads * head_dim),
+         f"{p}mlp.gate_proj.weight": w(inter, h), f"{p}mlp.up_proj.weight": w(inter, h), f"{p}mlp.down_proj.weight": w(h, inter),
+         "norm.weight": norm(h), "lm_head.weight": w(dv, h)}
+    if with_embed:
+        t["embed_tokens.weight"] = w(vocab, h)
+    if fc_norm or legacy_aux_norm:
+        t.update({f"fc_norm.{i}.weight": norm(ht) for i in range(num_aux)})
+    if dv != vocab:
+        chosen = torch.randperm(vocab, generator=g)[:dv].sort().values
+        t["d2t"] = chosen - torch.arange(dv)
+        t["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, chosen, True)
+    os.makedirs(path, exist_ok=True)
+    save_file(t, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": head_dim, "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "max_position_embeddings": target.get("max_position_embeddings", 512), "vocab_size": vocab,
+              "draft_vocab_size": dv, "target_hidden_size": ht, "tie_word_embeddings": False,
+              "eagle_config": {"use_aux_hidden_state": True, **({"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)} if aux_layer_ids else {})}}
+    if fc_norm:
+        config["fc_norm"] = True
+    if legacy_aux_norm:
+        config["use_aux_norm"] = True
+    if norm_output:
+        config["norm_output"] = True
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_eagle3_llama(tmp_path_factory):
+    """Factory: make_eagle3_llama(target_path, **options of write_eagle3_llama_draft) -> folder (cached)."""
+    cache: dict[str, str] = {}
+
+    def make(target_path: str, **options) -> str:
+        key = json.dumps([target_path, sorted(options.items())], default=str)
+        if key not in cache:
+            cache[key] = write_eagle3_llama_draft(str(tmp_path_factory.mktemp("eagle3")), target_path, **options)
+        return cache[key]
+
+    return make

@@ -8,7 +8,8 @@ import torch
 from scipy import stats
 
 from atom_like import LLMEngine, SamplingParams
-from model_ops.sampling import SamplingTensors, processed_probs, sample_tokens
+from model_ops.sampling import SamplingTensors, processed_probs
+from spec_decode.rejection import verify
 
 PROMPTS = [[3, 17, 42, 9], [100, 2, 5]]
 
@@ -37,8 +38,9 @@ def test_empirical_distribution_matches_softmax(temperature, top_k, top_p):
     vocab, n = 12, 40000
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(7)) * 2
     st = SamplingTensors.build([temperature] * n, [top_k] * n, [top_p] * n, [None] * n, vocab, torch.device("cpu"))
-    tokens = sample_tokens(logits.expand(n, vocab), st, torch.Generator().manual_seed(0))
-    counts = np.bincount(tokens.numpy(), minlength=vocab)
+    # verification without draft tokens is plain sampling (the engine's one sampling path)
+    tokens = verify(logits.expand(n, vocab), [[]] * n, st, torch.Generator().manual_seed(0)).token_ids
+    counts = np.bincount([t[0] for t in tokens], minlength=vocab)
 
     # the expected distribution, written out directly: top-k first, then top-p over the
     # renormalised top-k set (the order transformers' warpers and vLLM use)

@@ -16,10 +16,11 @@ from atom_like.config import (EngineArgs, load_model_config, resolve_device, res
                               resolve_max_model_len, text_config)
 from atom_like.engine.block_manager import BlockManager
 from atom_like.engine.detokenizer import IncrementalDetokenizer
-from atom_like.engine.model_runner import ModelRunner
+from atom_like.engine.model_runner import ModelRunner, ProposerFactory
 from atom_like.engine.scheduler import Scheduler
 from atom_like.engine.sequence import Sequence
 from atom_like.sampling_params import RequestOutput, SamplingParams
+from spec_decode.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, *, proposer_factory: ProposerFactory | None = None, **engine_args):
+        """`engine_args` are EngineArgs fields; `proposer_factory` swaps in a custom draft
+        proposer (tests and benchmarks use an oracle)."""
         self.args = EngineArgs(model=model, **engine_args)
         if self.args.model is None:
             raise ValueError("no model given: pass a checkpoint folder (--model DIR)")
@@ -45,11 +48,11 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.args.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(self.args.max_model_len, self.hf_config)
         self.tokenizer = self._load_tokenizer()
-        self.runner = ModelRunner(self.args, self.hf_config, self.device, self.dtype, self.max_model_len)
+        self.runner = ModelRunner(self.args, self.hf_config, self.device, self.dtype, self.max_model_len, proposer_factory)
         self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size)
         self.eos_token_ids = self._eos_token_ids()
         self.scheduler = Scheduler(self.block_manager, self.args.max_num_seqs, self.args.max_num_batched_tokens,
-                                   self.max_model_len, self.eos_token_ids)
+                                   self.max_model_len, self.eos_token_ids, self.runner.num_spec_tokens)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d", self.args.model, self.device,
@@ -126,6 +129,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        """Speculation counters (all zero without a draft)."""
+        return self.scheduler.spec_stats
 
     # ------------------------------------------------------------------ stepping
 

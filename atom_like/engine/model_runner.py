@@ -5,9 +5,10 @@ one per draft), so this file has no knowledge of any cache layout or of drafts.
 """
 from __future__ import annotations
 
-import contextlib
+import itertools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,32 +16,20 @@ import torch
 from transformers import PretrainedConfig
 
 from atom_like.config import EngineArgs, text_config
-from atom_like.engine.sampler import Sampler
+from atom_like.engine.sampler import row_sampling_tensors, token_logprobs
 from atom_like.engine.scheduler import ScheduledBatch, SeqStepResult
+from atom_like.engine.speculative import build_eagle3_proposer
 from atom_like.loader.weights import iter_checkpoint, load_weights
 from atom_like.models.base import CausalLM
-from atom_like.models.registry import target_model_class
+from atom_like.models.registry import build_model, target_model_class
 from model_ops.attention.kv_builder import KVCacheBuilder, PagedKVCacheBuilder
 from model_ops.attention.metadata import AttentionMetadata
+from spec_decode.proposer import ProposeInputs, Proposer
+from spec_decode.rejection import verify
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default CPU pool cap when --num-kv-blocks is not given
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-def build_model(cls: type[torch.nn.Module], config: PretrainedConfig, dtype: torch.dtype, device: torch.device):
-    with default_dtype(dtype), torch.device(device):
-        return cls(config).eval()
 
 
 @dataclass
@@ -52,20 +41,32 @@ class StepInputs:
     rows_per_seq: list[int]  # how many of logits_rows each scheduled sequence owns (0 when it does not sample)
 
 
+ProposerFactory = Callable[["ModelRunner"], Proposer]
+
+
 class ModelRunner:
     def __init__(self, args: EngineArgs, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int):
+                 max_model_len: int, proposer_factory: ProposerFactory | None = None):
+        """`proposer_factory` replaces the EAGLE3 proposer (tests and benchmarks use an oracle)."""
         self.args, self.device, self.dtype = args, device, dtype
         self.block_size, self.max_model_len = args.block_size, max_model_len
         self.model: CausalLM = build_model(target_model_class(hf_config), text_config(hf_config), dtype, device)
         load_weights(self.model, iter_checkpoint(args.model), self.model.weight_map())
         self.vocab_size = self.model.config.vocab_size
 
+        self.proposer: Proposer | None = None
+        if proposer_factory is not None:
+            self.proposer = proposer_factory(self)
+        elif args.method == "eagle3":
+            self.proposer = build_eagle3_proposer(args, self.model, dtype, device)
+        self.num_spec_tokens = self.proposer.num_spec_tokens if self.proposer else 0
+
         self.builders: list[KVCacheBuilder] = [
             PagedKVCacheBuilder(self.model.attention_layers(), args.block_size, dtype, device, role="target")
-        ]
-        self.max_blocks_per_seq = math.ceil(max_model_len / args.block_size)
-        self.sampler = Sampler(device, args.seed)
+        ] + (self.proposer.kv_builders() if self.proposer else [])
+        # a verify step plus its draft chain reaches 2k slots past the last verified token
+        self.max_blocks_per_seq = math.ceil((max_model_len + 2 * self.num_spec_tokens) / args.block_size)
+        self.generator = torch.Generator(device=device).manual_seed(args.seed)
         self.num_blocks = self._plan_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
@@ -85,7 +86,8 @@ class ModelRunner:
             if clash:
                 raise ValueError(f"two KV builders allocate the same key(s) {sorted(clash)}: namespace them")
             tensors.update(new)
-        for module in self.model.modules():
+        modules = itertools.chain(self.model.modules(), self.proposer.modules_to_bind() if self.proposer else ())
+        for module in modules:
             for builder in self.builders:
                 if builder.build_kv_cache_tensor(module) is not None:
                     break
@@ -195,9 +197,49 @@ class ModelRunner:
         results = [SeqStepResult() for _ in batch.seqs]
         sampling = [i for i, n in enumerate(step.rows_per_seq) if n]
         if sampling:
-            logits = self.model.compute_logits(hidden[step.logits_rows])
-            tokens, logprobs = self.sampler(logits, [batch.seqs[i].seq for i in sampling])
-            for i, token, lp in zip(sampling, tokens, logprobs):
-                results[i].new_token_ids = [token]
-                results[i].logprobs = [lp] if lp is not None else []
+            self._verify(batch, step, hidden, sampling, results)
+        if self.proposer is not None:
+            self._propose(batch, step, sampling, results)
         return results
+
+    def _verify(self, batch: ScheduledBatch, step: StepInputs, hidden: torch.Tensor, sampling: list[int],
+                results: list[SeqStepResult]) -> None:
+        """Sample each sampling sequence's next token, verifying its draft tokens first if it has any."""
+        logits = self.model.compute_logits(hidden[step.logits_rows])
+        items = [batch.seqs[i] for i in sampling]
+        rows = [step.rows_per_seq[i] for i in sampling]
+        st = row_sampling_tensors([item.seq for item in items], rows, self.vocab_size, logits.device)
+        verified = verify(logits, [item.spec_token_ids for item in items], st, self.generator)
+        starts = list(itertools.accumulate([0] + rows[:-1]))
+        row_of_token = [start + j for start, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
+        seq_of_token = [b for b, toks in enumerate(verified.token_ids) for _ in toks]
+        flat = torch.tensor([t for toks in verified.token_ids for t in toks], device=logits.device)
+        logprobs = token_logprobs(logits[row_of_token], flat, [items[b].seq.params.logprobs for b in seq_of_token])
+        n = 0
+        for i, item, accepted, toks in zip(sampling, items, verified.num_accepted, verified.token_ids):
+            results[i].new_token_ids, results[i].num_accepted = toks, accepted
+            if item.seq.params.logprobs is not None:
+                results[i].logprobs = logprobs[n:n + len(toks)]
+            n += len(toks)
+
+    def _propose(self, batch: ScheduledBatch, step: StepInputs, sampling: list[int],
+                 results: list[SeqStepResult]) -> None:
+        qsl = step.meta.query_start_loc.tolist()
+        last_rows, next_tokens = [], []
+        for b, item in enumerate(batch.seqs):
+            res = results[b]
+            last_rows.append(qsl[b] + item.num_new_tokens - 1 + res.num_accepted)
+            if item.samples:
+                next_tokens.append(res.new_token_ids[-1])
+            else:  # an unfinished prompt: its next chunk starts with this token
+                next_tokens.append(item.seq.token_ids[item.seq.num_computed_tokens + item.num_new_tokens])
+        proposals = self.proposer.propose(ProposeInputs(
+            input_ids=step.input_ids, positions=step.positions, meta=step.meta,
+            last_rows=torch.tensor(last_rows, device=self.device),
+            next_token_ids=torch.tensor(next_tokens, device=self.device),
+            sampling=torch.tensor(sampling, dtype=torch.long, device=self.device),
+            request_ids=[batch.seqs[i].seq.request_id for i in sampling],
+            num_generated=[batch.seqs[i].seq.num_generated + len(results[i].new_token_ids) for i in sampling],
+        )).tolist()
+        for i, drafts in zip(sampling, proposals):
+            results[i].draft_token_ids = drafts

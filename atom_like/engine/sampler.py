@@ -1,17 +1,21 @@
-"""Turns logits rows into tokens (and logprobs) for the sequences they belong to."""
+"""From sequences to per-row sampling tensors, and from logits to OpenAI-style logprobs."""
 from __future__ import annotations
 
 import torch
 
 from atom_like.engine.sequence import Sequence
 from atom_like.sampling_params import TokenLogprobs
-from model_ops.sampling import SamplingTensors, sample_tokens
+from model_ops.sampling import SamplingTensors
 
 
-def sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingTensors:
+def row_sampling_tensors(seqs: list[Sequence], rows_per_seq: list[int], vocab_size: int,
+                         device: torch.device) -> SamplingTensors:
+    """Sampling settings for logits rows: each sequence's settings (and generator) repeated over
+    its rows (its draft tokens + 1 when verifying, else 1)."""
+    expanded = [s for s, n in zip(seqs, rows_per_seq) for _ in range(n)]
     return SamplingTensors.build(
-        [s.params.temperature for s in seqs], [s.params.top_k for s in seqs], [s.params.top_p for s in seqs],
-        [s.generator for s in seqs], vocab_size, device,
+        [s.params.temperature for s in expanded], [s.params.top_k for s in expanded],
+        [s.params.top_p for s in expanded], [s.generator for s in expanded], vocab_size, device,
     )
 
 
@@ -32,14 +36,3 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int |
         top = dict(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist())) if n else {}
         out.append(TokenLogprobs(int(tokens[row]), chosen[row], top))
     return out
-
-
-class Sampler:
-    def __init__(self, device: torch.device, seed: int):
-        self.device = device
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        st = sampling_tensors(seqs, logits.shape[-1], logits.device)
-        tokens = sample_tokens(logits, st, self.generator)
-        return tokens.tolist(), token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])

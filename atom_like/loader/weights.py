@@ -30,6 +30,8 @@ class WeightMap:
     packed: dict[str, tuple[str, int]] = field(default_factory=dict)
     # (checkpoint prefix or substring, why it is skipped), logged once per reason
     skip: tuple[tuple[str, str], ...] = ()
+    # parameters a checkpoint may leave out (an EAGLE3 draft without embed_tokens borrows the target's)
+    optional: tuple[str, ...] = ()
 
 
 def safetensors_files(folder: str) -> list[str]:
@@ -55,6 +57,15 @@ def iter_checkpoint(folder: str, desc: str = "Loading weights") -> Iterator[tupl
                 yield name, f.get_tensor(name)
 
 
+def checkpoint_keys(folder: str) -> set[str]:
+    """Tensor names of a checkpoint, read from the file headers only."""
+    keys: set[str] = set()
+    for path in safetensors_files(folder):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            keys.update(f.keys())
+    return keys
+
+
 def convert_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Seed 004's rule: same-width float formats are bit-compatible encodings (fp8 variants) and
     are viewed; fp16 <-> bf16 have the same width but different ranges, so they are converted by
@@ -67,7 +78,8 @@ def convert_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], weight_map: WeightMap) -> None:
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], weight_map: WeightMap) -> list[str]:
+    """Load every parameter of `model`; returns the optional ones the checkpoint lacked."""
     params = dict(model.named_parameters())
     expected: set[tuple[str, int | None]] = set()
     for name in params:
@@ -101,9 +113,12 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
         target.copy_(convert_dtype(tensor, target.dtype))
         loaded.add((name, shard))
 
-    missing = sorted(f"{n}" + (f" (shard {s})" if s is not None else "") for n, s in expected - loaded)
+    absent = expected - loaded
+    optional = sorted(n for n, _ in absent if n in weight_map.optional)
+    missing = sorted(f"{n}" + (f" (shard {s})" if s is not None else "") for n, s in absent if n not in weight_map.optional)
     if missing:
         raise ValueError(f"{model_name} needs {len(missing)} tensor(s) the checkpoint lacks: {missing[:8]}")
+    return optional
 
 
 def _map_name(ckpt_name: str, weight_map: WeightMap) -> tuple[str, int | None]:

@@ -6,7 +6,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from atom_like.loader.weights import WeightMap
-from atom_like.models.base import CausalLM
+from atom_like.models.base import CausalLM, Eagle3TargetMixin, capture_aux
 from model_ops.activation import silu_and_mul
 from model_ops.attention.layer import PagedAttention
 from model_ops.attention.metadata import AttentionMetadata
@@ -14,6 +14,7 @@ from model_ops.embed_head import LMHead, VocabEmbedding
 from model_ops.layernorm import RMSNorm
 from model_ops.linear import Linear, MergedLinear
 from model_ops.rotary import RotaryEmbedding
+from spec_decode.aux_layers import AuxHiddenStates
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -82,17 +83,20 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, llama_head_dim(config))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.aux: AuxHiddenStates | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
-        for layer in self.layers:
+        for idx, layer in enumerate(self.layers):
+            capture_aux(self.aux, idx, hidden, residual)
             hidden, residual = layer(hidden, residual, cos_sin, meta)
+        capture_aux(self.aux, len(self.layers), hidden, residual)
         return self.norm.add_forward(hidden, residual)[0]
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(Eagle3TargetMixin, CausalLM):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.config = config

@@ -1,22 +1,57 @@
 """Architecture name (config.json `architectures[0]`) -> model class."""
 from __future__ import annotations
 
+import contextlib
+
+import torch
+from torch import nn
 from transformers import PretrainedConfig
 
 from atom_like.models.base import CausalLM
+from atom_like.models.eagle3_llama import Eagle3LlamaForCausalLM
 from atom_like.models.llama import LlamaForCausalLM
+from spec_decode.eagle3 import Eagle3Draft
 
 TARGET_MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
 }
 
 
-def target_model_class(config: PretrainedConfig) -> type[CausalLM]:
+# EAGLE3 drafts: the family is chosen from `architectures` alone.
+DRAFT_MODELS: dict[str, type[Eagle3Draft]] = {
+    "LlamaForCausalLMEagle3": Eagle3LlamaForCausalLM,  # lightseekorg / SpecForge
+    "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,  # vLLM's name for the same layout
+}
+
+
+def _lookup(config: PretrainedConfig, table: dict, what: str):
     archs = getattr(config, "architectures", None) or []
     for arch in archs:
-        if arch in TARGET_MODELS:
-            return TARGET_MODELS[arch]
-    raise ValueError(
-        f"unknown model architecture {archs or '(config.json has no architectures)'}; "
-        f"supported: {', '.join(sorted(TARGET_MODELS))}"
-    )
+        if arch in table:
+            return table[arch]
+    raise ValueError(f"unknown {what} architecture {archs or '(config.json has no architectures)'}; "
+                     f"supported: {', '.join(sorted(table))}")
+
+
+def target_model_class(config: PretrainedConfig) -> type[CausalLM]:
+    return _lookup(config, TARGET_MODELS, "model")
+
+
+def draft_model_class(config: PretrainedConfig) -> type[Eagle3Draft]:
+    return _lookup(config, DRAFT_MODELS, "draft")
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(cls: type[nn.Module], config: PretrainedConfig, dtype: torch.dtype, device: torch.device):
+    """Instantiate `cls(config)` with its parameters created directly on `device` in `dtype`."""
+    with default_dtype(dtype), torch.device(device):
+        return cls(config).eval()

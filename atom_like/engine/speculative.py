@@ -1,0 +1,46 @@
+"""Builds the EAGLE3 proposer for a target: loads the draft, checks it fits the target, points
+the target's aux capture at the layers the draft was trained on."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from atom_like.config import EngineArgs, load_model_config
+from atom_like.loader.weights import checkpoint_keys, iter_checkpoint, load_weights
+from atom_like.models.base import CausalLM, Eagle3Target
+from atom_like.models.registry import build_model, draft_model_class
+from spec_decode.aux_layers import AuxHiddenStates
+from spec_decode.proposer import Eagle3Proposer
+
+logger = logging.getLogger(__name__)
+
+
+def build_eagle3_proposer(args: EngineArgs, target: CausalLM, dtype: torch.dtype, device: torch.device) -> Eagle3Proposer:
+    if not isinstance(target, Eagle3Target):
+        raise ValueError(f"{type(target).__name__} cannot serve as an EAGLE3 target (no aux hidden-state capture)")
+    config = load_model_config(args.draft_model, args.trust_remote_code)
+    draft = build_model(draft_model_class(config), config, dtype, device)
+    eagle, tcfg = draft.eagle, target.config
+    if eagle.target_hidden_size != tcfg.hidden_size:
+        raise ValueError(f"draft target_hidden_size {eagle.target_hidden_size} != target hidden_size {tcfg.hidden_size}")
+    if config.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"draft vocab_size {config.vocab_size} != target vocab_size {tcfg.vocab_size}")
+    if draft.d2t is not None and "d2t" not in checkpoint_keys(args.draft_model):
+        raise ValueError(f"draft_vocab_size {eagle.draft_vocab_size} differs from the vocabulary {config.vocab_size} "
+                         "but the draft checkpoint has no d2t mapping")
+    missing = load_weights(draft, iter_checkpoint(args.draft_model, "Loading draft"), draft.weight_map())
+    if missing:
+        logger.info("draft checkpoint lacks %s: sharing the target's", missing)
+        draft.share_target_weights(missing, *target.get_embed_and_head())
+
+    target.set_eagle3_layers_to_capture(eagle.aux_layer_ids)
+    ids = target.eagle3_aux_layer_ids
+    if len(ids) != eagle.num_aux:
+        raise ValueError(f"draft fc reads {eagle.num_aux} aux hidden states but eagle_aux_hidden_state_layer_ids gives {ids}")
+    aux = AuxHiddenStates(ids, args.max_num_batched_tokens, tcfg.hidden_size, dtype, device)
+    target.bind_aux_hidden_states(aux)
+    logger.info("EAGLE3 draft %s: k=%d, aux layers %s, fc_norm=%s, norm_output=%s, draft vocab %d",
+                args.draft_model, args.num_speculative_tokens, ids, eagle.fc_norm, eagle.norm_output,
+                eagle.draft_vocab_size)
+    return Eagle3Proposer(draft, aux, args.num_speculative_tokens, args.block_size, dtype, device)

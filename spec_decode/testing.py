@@ -1,0 +1,40 @@
+"""An oracle drafter for tests and benchmarks (never used in serving).
+
+It proposes the target's own greedy continuation, known in advance, corrupting the tokens at
+the positions `corrupt(request_id, num_generated, position)` chooses. Under greedy verification
+the accepted count of a step is then exactly the index of its first corrupted position, which
+lets tests drive every acceptance length 0..k (mixed within one batch) and lets benchmarks force
+an acceptance length.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from spec_decode.proposer import ProposeInputs, Proposer
+
+Corruption = Callable[[str, int, int], bool]
+
+
+def accept_first(m: int) -> Corruption:
+    """Corrupt every position from m on: each verify step accepts exactly min(m, k) drafts."""
+    return lambda request_id, num_generated, position: position >= m
+
+
+class OracleProposer(Proposer):
+    def __init__(self, continuations: dict[str, list[int]], num_spec_tokens: int, vocab_size: int,
+                 corrupt: Corruption = accept_first(1 << 30)):
+        self.continuations, self.num_spec_tokens = continuations, num_spec_tokens
+        self.vocab_size, self.corrupt = vocab_size, corrupt
+
+    def propose(self, inputs: ProposeInputs) -> torch.Tensor:
+        rows = []
+        for request_id, done in zip(inputs.request_ids, inputs.num_generated):
+            cont = self.continuations[request_id]
+            row = []
+            for j in range(self.num_spec_tokens):
+                token = cont[done + j] if done + j < len(cont) else 0
+                row.append((token + 1) % self.vocab_size if self.corrupt(request_id, done, j) else token)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), self.num_spec_tokens)

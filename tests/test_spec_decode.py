@@ -1,0 +1,243 @@
+"""EAGLE3 speculative decoding with the Llama (MHA) draft: lossless greedy output, every
+acceptance length, exact statistics, the DraftBuilder pool, block ids past 65,535, bad configs."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from atom_like import LLMEngine, SamplingParams
+from spec_decode.testing import OracleProposer, accept_first
+
+rng = np.random.default_rng(3)
+PROMPTS = [[int(x) for x in rng.integers(0, 128, n)] for n in (3, 41, 9, 17, 2)]
+GREEDY = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(make_llama):
+    return make_llama(num_hidden_layers=8, seed=1)  # default aux layers (2, 4, 5)
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    engine = LLMEngine(target, max_model_len=160)
+    return [o.token_ids for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def assert_no_leak(engine):
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def oracle_engine(target, baseline, k, corrupt, **kwargs):
+    continuations = {str(i): toks for i, toks in enumerate(baseline)}
+    factory = lambda runner: OracleProposer(continuations, k, runner.vocab_size, corrupt)  # noqa: E731
+    return LLMEngine(target, proposer_factory=factory, **{"max_model_len": 160, **kwargs})
+
+
+def run(engine, prompts=PROMPTS, params=GREEDY):
+    ids = [engine.add_request(p, params, request_id=str(i)) for i, p in enumerate(prompts)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[i] for i in ids]
+
+
+# ----------------------------------------------------------------------------- lossless
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_random_draft_is_lossless(target, baseline, make_eagle3_llama, k):
+    draft = make_eagle3_llama(target, aux_layer_ids=[1, 5, 7])  # output-of-layer ids: captures 2, 6, 8 (= N)
+    engine = LLMEngine(target, max_model_len=160, method="eagle3", draft_model=draft, num_speculative_tokens=k)
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)] == baseline
+    assert engine.scheduler.spec_stats.num_drafts > 0
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(draft_vocab_size=48),  # d2t mapping
+    dict(with_embed=False),  # embedding borrowed from the target
+    dict(layer_prefix="layers.0."),  # the other published key layout
+    dict(hidden_size=32, aux_layer_ids=[2, 3, 4]),  # draft narrower than the target (fc maps 3*64 -> 32)
+    dict(fc_norm=True, norm_output=True),  # EAGLE3.1 flags on the MHA draft
+])
+def test_draft_variants_are_lossless(target, baseline, make_eagle3_llama, variant):
+    draft = make_eagle3_llama(target, **variant)
+    engine = LLMEngine(target, max_model_len=160, method="eagle3", draft_model=draft, num_speculative_tokens=3,
+                       max_num_batched_tokens=24)  # chunked prefill: drafts run over middle chunks too
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY, use_tqdm=False)] == baseline
+    assert_no_leak(engine)
+
+
+def test_every_acceptance_length_in_one_batch(target, baseline):
+    k = 4
+    corrupt = lambda rid, n, j: j >= (int(rid) + n) % (k + 1)  # noqa: E731  accepted = (rid + n) % 5, varies per step
+    engine = oracle_engine(target, baseline, k, corrupt)
+    assert run(engine) == baseline
+    hist = engine.scheduler.spec_stats.accepted_histogram
+    assert all(c > 0 for c in hist), f"acceptance lengths not all exercised: {hist}"
+    assert_no_leak(engine)
+
+
+def test_oracle_with_preemption_and_chunking(target, baseline):
+    # 6 blocks of 16 tokens: two sequences at most at a time, so five must take turns
+    engine = oracle_engine(target, baseline, 3, lambda rid, n, j: j >= n % 4, num_kv_blocks=6,
+                           max_model_len=80, max_num_batched_tokens=16)
+    assert run(engine) == baseline
+    assert engine.scheduler.num_preemptions > 0
+    assert_no_leak(engine)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def test_stats_arithmetic(target, baseline):
+    k, m, steps = 3, 2, 5
+    engine = oracle_engine(target, baseline, k, accept_first(m))
+    params = SamplingParams(temperature=0, max_tokens=1 + (m + 1) * steps, ignore_eos=True)
+    engine.add_request(PROMPTS[0], params, request_id="0")
+    engine.step()  # the prefill: it samples a token but verifies nothing
+    stats = engine.spec_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (0, 0, 0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (steps, k * steps, m * steps)
+    assert stats.acceptance_rate == pytest.approx(m / k)
+    assert stats.mean_acceptance_length == pytest.approx(1 + m)
+    assert stats.per_position_acceptance == [1.0, 1.0, 0.0]
+    assert stats.accepted_histogram == [0, 0, steps, 0]
+    assert "mean acceptance length 3.00" in stats.summary()
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def test_speculative_sampling_keeps_the_target_distribution(target, baseline):
+    """The token after the first (verified) position, over many requests, against its exact
+    marginal computed from transformers' model: p(t2) = sum_t1 p(t1) p(t2 | t1)."""
+    from scipy import stats
+    from transformers import AutoModelForCausalLM
+
+    from model_ops.sampling import SamplingTensors, processed_probs
+
+    prompt, n, temp, top_p = PROMPTS[2], 3000, 1.0, 0.95
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    st1 = SamplingTensors.build([temp], [-1], [top_p], [None], 128, torch.device("cpu"))
+    st = SamplingTensors.build([temp] * 128, [-1] * 128, [top_p] * 128, [None] * 128, 128, torch.device("cpu"))
+    with torch.no_grad():
+        p1 = processed_probs(hf(torch.tensor([prompt])).logits[:, -1], st1)[0]
+        seqs = torch.cat([torch.tensor([prompt] * 128), torch.arange(128)[:, None]], dim=1)
+        p2 = processed_probs(hf(seqs).logits[:, -1], st)
+    marginal = (p1[:, None] * p2).sum(0).numpy()
+
+    greedy_cont = {str(i): baseline[2] for i in range(n)}  # the oracle proposes the greedy path: often accepted
+    engine = LLMEngine(target, max_model_len=160, max_num_seqs=n, max_num_batched_tokens=n * 4,
+                       proposer_factory=lambda r: OracleProposer(greedy_cont, 2, r.vocab_size))
+    outs = run(engine, [prompt] * n, SamplingParams(temperature=temp, top_p=top_p, max_tokens=2, ignore_eos=True))
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0  # both branches (accept / recover) were taken
+    counts = np.bincount([o[1] for o in outs], minlength=128)
+    support = marginal > 0
+    assert counts[~support].sum() == 0
+    expected = marginal[support] / marginal[support].sum() * n
+    keep = expected >= 5  # chi-square needs populated cells; pool the rare tail
+    f_obs = np.append(counts[support][keep], counts[support][~keep].sum())
+    f_exp = np.append(expected[keep], expected[~keep].sum())
+    assert stats.chisquare(f_obs, f_exp).pvalue > 1e-3
+
+
+# ----------------------------------------------------------------------------- KV pool
+
+def test_draft_builder_pool(target, make_eagle3_llama):
+    draft = make_eagle3_llama(target)
+    engine = LLMEngine(target, max_model_len=160, method="eagle3", draft_model=draft, num_speculative_tokens=3,
+                       num_kv_blocks=40)
+    runner = engine.runner
+    assert sorted(runner.kv_caches) == ["eagle3_kv_cache", "kv_cache"]
+    pool_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches.values())
+    assert pool_bytes == runner.num_blocks * sum(b.compute_block_bytes() for b in runner.builders)
+    target_pool, draft_pool = runner.kv_caches["kv_cache"], runner.kv_caches["eagle3_kv_cache"]
+    assert target_pool.shape[2] == draft_pool.shape[2] == 40  # one block id space
+    draft_pool.fill_(float("nan"))
+    target_pool.fill_(float("nan"))
+    engine.add_request(PROMPTS[1], GREEDY, request_id="x")
+    for _ in range(4):
+        engine.step()
+    seq = engine.scheduler.running[0]
+    written = lambda pool: set(torch.nonzero(~pool[0, 0].isnan().flatten(2).all(-1).flatten()).flatten().tolist())  # noqa: E731
+    own_slots = {b * 16 + o for b in seq.block_table for o in range(16)}
+    target_slots, draft_slots = written(target_pool), written(draft_pool)
+    assert target_slots <= draft_slots <= own_slots  # the draft writes where the target does, in the same blocks
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leak(engine)
+
+
+def test_block_ids_past_65535(target, baseline, make_eagle3_llama):
+    draft = make_eagle3_llama(target, aux_layer_ids=[0, 4, 8])
+    engine = LLMEngine(target, max_model_len=160, block_size=2, num_kv_blocks=70_000, method="eagle3",
+                       draft_model=draft, num_speculative_tokens=3)
+    engine.block_manager.free_blocks.rotate(-65_600)  # hand out ids >= 65,600 first
+    outs = run(engine, PROMPTS[:2])
+    assert outs == baseline[:2]
+    engine.block_manager.free_blocks.rotate(65_600)
+    assert_no_leak(engine)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def draft_with(make_eagle3_llama, target, tmp_path, edit_config=None, drop=None, **options):
+    path = shutil.copytree(make_eagle3_llama(target, **options), tmp_path / "draft")
+    if edit_config:
+        cfg = json.loads((path / "config.json").read_text())
+        edit_config(cfg)
+        (path / "config.json").write_text(json.dumps(cfg))
+    if drop:
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(str(path / "model.safetensors"))
+        tensors.pop(drop)
+        save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("arch", "unknown draft architecture.*MysteryDraft"),
+    ("hidden", "target_hidden_size 96 != target hidden_size 64"),
+    ("vocab", "vocab_size 100 != target vocab_size 128"),
+    ("d2t", "no d2t mapping"),
+    ("aux", r"fc reads 4 aux hidden states but eagle_aux_hidden_state_layer_ids gives \[2, 4, 5\]"),
+    ("layers", "exactly one decoder layer"),
+])
+def test_bad_drafts_are_named(target, make_eagle3_llama, tmp_path, case, match):
+    options, edit, drop = {}, None, None
+    if case == "arch":
+        edit = lambda c: c.update(architectures=["MysteryDraft"])  # noqa: E731
+    elif case == "hidden":
+        edit = lambda c: c.update(target_hidden_size=96)  # noqa: E731
+    elif case == "vocab":
+        edit = lambda c: c.update(vocab_size=100)  # noqa: E731
+    elif case == "d2t":
+        options, drop = dict(draft_vocab_size=48), "d2t"
+    elif case == "aux":  # no ids in the config: the target's defaults (3 layers) vs an fc over 4
+        options = dict(aux_layer_ids=[1, 2, 3, 4])
+        edit = lambda c: c.update(num_aux_hidden_states=4, eagle_config={})  # noqa: E731
+    elif case == "layers":
+        edit = lambda c: c.update(num_hidden_layers=2)  # noqa: E731
+    path = draft_with(make_eagle3_llama, target, tmp_path, edit, drop, **options)
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(target, max_model_len=160, method="eagle3", draft_model=path)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="eagle3"), "needs --draft-model"),
+    (dict(draft_model="x"), "without --method eagle3"),
+    (dict(method="medusa", draft_model="x"), "--method 'medusa' is not supported"),
+    (dict(method="eagle3", draft_model="x", num_speculative_tokens=0), "num-speculative-tokens must be >= 1"),
+])
+def test_bad_spec_flags(target, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(target, **kwargs)
