@@ -3,6 +3,7 @@ and the Prometheus speculation metrics (fed with synthetic counts until speculat
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 
 import pytest
 from prometheus_client import generate_latest
@@ -10,6 +11,7 @@ from prometheus_client import generate_latest
 from atom_like import LLMEngine, SamplingParams
 from atom_like.entrypoints.engine_loop import Admitted, EngineLoop, EngineRequest, Failed, Rejected
 from atom_like.entrypoints.metrics import EngineState, ServerMetrics, SpecSnapshot
+from spec_decode.testing import OracleProposer, accept_first
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -24,7 +26,7 @@ def request(request_id: str, prompt_ids: list[int], params: SamplingParams = GRE
 
 
 async def started(engine) -> EngineLoop:
-    loop = EngineLoop(engine, ServerMetrics(0), stats_interval=0)
+    loop = EngineLoop(engine, ServerMetrics(engine.scheduler.spec_stats.k), stats_interval=0)
     loop.start(asyncio.get_running_loop())
     while not loop.ready and loop.warmup_error is None:
         await asyncio.sleep(0.01)
@@ -142,6 +144,34 @@ def test_a_failed_warm_up_marks_the_server_unhealthy_but_requests_still_get_answ
     assert not loop.ready and "no device" in loop.warmup_error
     assert isinstance(items[0], Admitted) and isinstance(items[1], Failed)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_speculation_metrics_follow_the_engine(llama_path):
+    k, m, steps = 3, 2, 4
+    params = SamplingParams(temperature=0, max_tokens=1 + (m + 1) * steps, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5]]
+    greedy = [o.token_ids for o in LLMEngine(llama_path, max_model_len=64).generate(prompts, params, use_tqdm=False)]
+    # An oracle draft that gets the first m of every k proposals right: each verify accepts exactly m.
+    continuations = defaultdict(list, {f"r{i}": tokens for i, tokens in enumerate(greedy)})
+    engine = LLMEngine(llama_path, max_model_len=64,
+                       proposer_factory=lambda runner: OracleProposer(continuations, k, runner.vocab_size, accept_first(m)))
+
+    async def main():
+        loop = await started(engine)
+        items = await run_to_end(loop, [request(f"r{i}", p, params) for i, p in enumerate(prompts)])
+        loop.shutdown()
+        return loop, items
+
+    loop, items = asyncio.run(main())
+    assert [out.token_ids for _, out in sorted(item for item in items[1:] if item[1].finished)] == greedy
+    metrics, stats = loop.metrics, engine.scheduler.spec_stats
+    assert sample(metrics, "spec_decode_num_drafts_total") == stats.num_drafts == 2 * steps
+    assert sample(metrics, "spec_decode_num_draft_tokens_total") == stats.num_draft_tokens == 2 * steps * k
+    assert sample(metrics, "spec_decode_num_accepted_tokens_total") == stats.num_accepted_tokens == 2 * steps * m
+    assert sample(metrics, "spec_decode_acceptance_rate") == pytest.approx(m / k)
+    assert sample(metrics, "spec_decode_mean_acceptance_length") == pytest.approx(1 + m)
+    assert [sample(metrics, "spec_decode_per_position_acceptance", {"position": str(i)}) for i in range(k)] == [1, 1, 0]
+    assert SpecSnapshot.parse(generate_latest(metrics.registry).decode()).accepted_per_position == [8, 8, 0]
 
 
 def _state(histogram: list[int]) -> EngineState:
