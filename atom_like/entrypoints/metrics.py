@@ -168,7 +168,7 @@ class StatsLogger:
                 f"running {state.num_running} reqs, waiting {state.num_waiting} reqs, KV cache usage {state.kv_usage:.1%} "
                 f"({state.num_blocks - state.num_free_blocks}/{state.num_blocks} blocks)")
         if state.spec.num_speculative_tokens:
-            line += f"; {state.spec.describe()}"
+            line += f"; since start, {state.spec.describe()}"
         logger.info(line)
 
 
