@@ -41,9 +41,14 @@ class ProposeInputs:
 
 
 class Proposer(ABC):
-    """Proposes `num_spec_tokens` draft tokens (target vocabulary ids) per sampling sequence."""
+    """Proposes `num_spec_tokens` draft tokens (target vocabulary ids) per sampling sequence.
+
+    `propose` is the device work; when `capturable`, it reads only the tensors of its inputs, so
+    decode steps can replay it as a graph. `finalize` is the host-side last word on the proposals.
+    """
 
     num_spec_tokens: int
+    capturable: bool = False
 
     def kv_builders(self) -> list[KVCacheBuilder]:
         """Builders for the draft's own KV; the runner adds them to the pool."""
@@ -55,6 +60,9 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, inputs: ProposeInputs) -> torch.Tensor:
         """[S, num_spec_tokens] proposals."""
+
+    def finalize(self, drafts: torch.Tensor, inputs: ProposeInputs) -> torch.Tensor:
+        return drafts
 
 
 def first_pass_input_ids(input_ids: torch.Tensor, last_rows: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
@@ -81,6 +89,8 @@ def chain_step_metadata(block_tables: torch.Tensor, positions: torch.Tensor, blo
 
 class Eagle3Proposer(Proposer):
     """Runs an EAGLE3 draft over the aux hidden states the target writes into `aux`."""
+
+    capturable = True
 
     def __init__(self, draft: Eagle3Draft, aux: AuxHiddenStates, num_spec_tokens: int, block_size: int,
                  dtype: torch.dtype, device: torch.device):

@@ -4,14 +4,17 @@ It proposes the target's own greedy continuation, known in advance, corrupting t
 the positions `corrupt(request_id, num_generated, position)` chooses. Under greedy verification
 the accepted count of a step is then exactly the index of its first corrupted position, which
 lets tests drive every acceptance length 0..k (mixed within one batch) and lets benchmarks force
-an acceptance length.
+an acceptance length. Given a real drafter as `inner`, it runs that drafter (paying its cost,
+graphs included) and then overrides its proposals.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
 
+from model_ops.attention.kv_builder import KVCacheBuilder
 from spec_decode.proposer import ProposeInputs, Proposer
 
 Corruption = Callable[[str, int, int], bool]
@@ -24,11 +27,23 @@ def accept_first(m: int) -> Corruption:
 
 class OracleProposer(Proposer):
     def __init__(self, continuations: dict[str, list[int]], num_spec_tokens: int, vocab_size: int,
-                 corrupt: Corruption = accept_first(1 << 30)):
+                 corrupt: Corruption = accept_first(1 << 30), inner: Proposer | None = None):
         self.continuations, self.num_spec_tokens = continuations, num_spec_tokens
-        self.vocab_size, self.corrupt = vocab_size, corrupt
+        self.vocab_size, self.corrupt, self.inner = vocab_size, corrupt, inner
+        self.capturable = inner is not None and inner.capturable
+
+    def kv_builders(self) -> list[KVCacheBuilder]:
+        return self.inner.kv_builders() if self.inner else []
+
+    def modules_to_bind(self) -> Iterable[nn.Module]:
+        return self.inner.modules_to_bind() if self.inner else ()
 
     def propose(self, inputs: ProposeInputs) -> torch.Tensor:
+        if self.inner is not None:
+            return self.inner.propose(inputs)
+        return inputs.input_ids.new_zeros(inputs.sampling.numel(), self.num_spec_tokens)
+
+    def finalize(self, drafts: torch.Tensor, inputs: ProposeInputs) -> torch.Tensor:
         rows = []
         for request_id, done in zip(inputs.request_ids, inputs.num_generated):
             cont = self.continuations[request_id]

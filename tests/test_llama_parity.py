@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from atom_like import LLMEngine, SamplingParams
+from atom_like.engine.step_inputs import host_step, upload
 
 PROMPTS = [[3, 17, 42], list(range(5, 45)), [7], [int(x) for x in np.random.default_rng(0).integers(0, 128, 77)]]
 
@@ -30,8 +31,8 @@ def prefill_logits(engine: LLMEngine, prompts: list[list[int]]) -> list[torch.Te
         n = math.ceil(len(p) / bs)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    step = runner.build_inputs([np.array(p) for p in prompts], [0] * len(prompts), tables,
-                               [list(range(len(p))) for p in prompts])
+    step = upload(host_step([np.array(p) for p in prompts], [0] * len(prompts), tables,
+                            [list(range(len(p))) for p in prompts], bs), runner.device)
     with torch.inference_mode():
         hidden = runner.model(step.input_ids, step.positions, step.meta)
         logits = runner.model.compute_logits(hidden[step.logits_rows])

@@ -61,14 +61,17 @@ def padded_causal_attention(
     group = num_heads // num_kv_heads
     seq_idx, row = token_rows(meta, num_tokens)
 
+    ctx = meta.context_lens.long()
+    # rows past a sequence's context hold whatever its table's padding points at: zero them so
+    # garbage (even NaN) cannot leak through a zero attention weight
+    beyond = (torch.arange(length, device=q.device)[None, :] >= ctx[:, None])[:, :, None, None]
+    keys, values = keys.masked_fill(beyond, 0), values.masked_fill(beyond, 0)
+
     q_pad = q.new_zeros(batch, meta.max_query_len, num_heads, q.shape[-1], dtype=torch.float32)
     q_pad[seq_idx, row] = q.float()
     q_pad = q_pad.view(batch, meta.max_query_len, num_kv_heads, group, -1)
     scores = torch.einsum("bqhgd,bshd->bhgqs", q_pad, keys.float()) * scale
-
-    ctx = meta.context_lens.long()
-    qlen = meta.query_lens.long()
-    q_pos = (ctx - qlen)[:, None] + torch.arange(meta.max_query_len, device=q.device)[None, :]
+    q_pos = (ctx - meta.query_lens.long())[:, None] + torch.arange(meta.max_query_len, device=q.device)[None, :]
     visible = torch.arange(length, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, Q, S]
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)

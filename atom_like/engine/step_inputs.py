@@ -1,0 +1,86 @@
+"""One step's flat inputs: built on the host from the scheduled batch, then uploaded either to
+fresh device tensors (eager) or into a decode graph's static buffers (see cuda_graph.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from atom_like.engine.scheduler import ScheduledBatch
+from model_ops.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class HostStep:
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int64
+    context_lens: np.ndarray  # [B] int64
+    block_tables: np.ndarray  # [B, width] int64
+    logits_rows: np.ndarray  # rows that need logits, grouped by sequence
+    rows_per_seq: list[int]  # logits rows per sequence (0 when it does not sample)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def max_query_len(self) -> int:
+        return int((self.query_start_loc[1:] - self.query_start_loc[:-1]).max())
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+    rows_per_seq: list[int]
+
+
+def host_step(tokens: list[np.ndarray], starts: list[int], tables: list[list[int]], logits_rows: list[list[int]],
+              block_size: int) -> HostStep:
+    """Sequence b computes `tokens[b]` at positions starts[b]..; `logits_rows[b]` are offsets within it."""
+    lens = np.array([len(t) for t in tokens], dtype=np.int64)
+    qsl = np.zeros(len(tokens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl[1:])
+    block_tables = np.zeros((len(tokens), max(1, max(len(t) for t in tables))), dtype=np.int64)
+    positions, slots = [], []
+    for b, (start, table) in enumerate(zip(starts, tables)):
+        block_tables[b, :len(table)] = table
+        pos = np.arange(start, start + lens[b], dtype=np.int64)
+        positions.append(pos)
+        slots.append(block_tables[b, pos // block_size] * block_size + pos % block_size)
+    rows = np.array([qsl[b] + r for b, rs in enumerate(logits_rows) for r in rs], dtype=np.int64)
+    return HostStep(np.concatenate(tokens).astype(np.int64), np.concatenate(positions), np.concatenate(slots), qsl,
+                    np.array(starts, dtype=np.int64) + lens, block_tables, rows, [len(r) for r in logits_rows])
+
+
+def batch_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
+    tokens, starts, tables, logits_rows = [], [], [], []
+    for item in batch.seqs:
+        seq = item.seq
+        c, n = seq.num_computed_tokens, item.num_new_tokens
+        tokens.append(np.array(seq.token_ids[c:c + n] + item.spec_token_ids, dtype=np.int64))
+        starts.append(c)
+        tables.append(seq.block_table)
+        logits_rows.append(list(range(n - 1, n + len(item.spec_token_ids))) if item.samples else [])
+    return host_step(tokens, starts, tables, logits_rows, block_size)
+
+
+def upload(step: HostStep, device: torch.device) -> StepInputs:
+    def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(a).to(device=device, dtype=dtype, non_blocking=True)
+
+    meta = AttentionMetadata(
+        query_start_loc=dev(step.query_start_loc, torch.int32),
+        context_lens=dev(step.context_lens, torch.int32),
+        block_tables=dev(step.block_tables, torch.int32),
+        slot_mapping=dev(step.slot_mapping, torch.int64),
+        max_query_len=step.max_query_len,
+        max_context_len=int(step.context_lens.max()),
+    )
+    return StepInputs(dev(step.input_ids, torch.int64), dev(step.positions, torch.int64), meta,
+                      dev(step.logits_rows, torch.int64), step.rows_per_seq)
