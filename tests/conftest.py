@@ -31,6 +31,10 @@ def _save_tokenizer(path: str, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w0", unk_token="w1")
+    # For the chat endpoint: each message's content after a role marker; words outside the vocab
+    # (the role names) encode as the unk token, which is all a random model needs.
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant{% endif %}")
     fast.save_pretrained(path)
 
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Nightly GSM8K gate (ATOM's accuracy + acceptance CI), one server and one report per entry.
+#
+#   ci/nightly_gsm8k.sh                      # every catalog entry this machine can run
+#   ci/nightly_gsm8k.sh smollm2-135m smollm2-135m-eagle3
+#   OUT_DIR=reports GSM8K_ARGS="--limit 200" ci/nightly_gsm8k.sh
+#
+# Exit status: 0 when every entry passed; otherwise the worst entry's status
+# (1 threshold missed, 2 run failed, 3 needs hardware we lack).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+CATALOG=${CATALOG:-ci/gsm8k_catalog.json}
+OUT_DIR=${OUT_DIR:-gsm8k_reports/$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT_DIR"
+
+if [ "$#" -gt 0 ]; then
+  entries=("$@")
+else
+  # entries without a `requires` note: the ones whose hardware we have
+  mapfile -t entries < <(python -c "import json, sys; print('\n'.join(e['name'] for e in json.load(open(sys.argv[1]))['entries'] if not e.get('requires')))" "$CATALOG")
+fi
+
+status=0
+reports=()
+for entry in "${entries[@]}"; do
+  echo "=== gsm8k $entry"
+  # shellcheck disable=SC2086  # GSM8K_ARGS is a list of flags
+  python -m atom_like.eval.gsm8k --catalog "$CATALOG" --entry "$entry" --output "$OUT_DIR/$entry.json" ${GSM8K_ARGS:-}
+  code=$?
+  [ -f "$OUT_DIR/$entry.json" ] && reports+=("$OUT_DIR/$entry.json")
+  [ "$code" -gt "$status" ] && status=$code
+done
+
+echo "=== summary ($OUT_DIR)"
+[ "${#reports[@]}" -gt 0 ] && python -m atom_like.eval.gsm8k --summarize "${reports[@]}"
+exit "$status"
