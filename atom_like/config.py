@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from model_ops.attention.backends import BACKEND_CHOICES
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -37,6 +39,7 @@ class EngineArgs:
     num_kv_blocks: int | None = field(default=None, metadata={"help": "KV-cache blocks, overriding the automatic size."})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "KV-cache dtype: auto (= model dtype)."})
     enforce_eager: bool = field(default=False, metadata={"help": "Never use CUDA/HIP graphs."})
+    attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton | aiter (auto: the torch reference on CPU, the fastest kernel on a GPU)."})
     seed: int = field(default=0, metadata={"help": "Seed for requests that bring none."})
     method: str | None = field(default=None, metadata={"help": "Speculative decoding method: eagle3 (needs --draft-model)."})
     draft_model: str | None = field(default=None, metadata={"help": "EAGLE3 draft checkpoint folder (LlamaForCausalLMEagle3 or Eagle3DeepseekV2ForCausalLM)."})
@@ -65,6 +68,8 @@ class EngineArgs:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"--num-kv-blocks must be >= 1; got {self.num_kv_blocks}")
+        if self.attention_backend not in BACKEND_CHOICES:
+            raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_CHOICES)}; got {self.attention_backend!r}")
         if self.method not in (None, "eagle3"):
             raise ValueError(f"--method {self.method!r} is not supported; the only method is eagle3")
         if self.method is None and self.draft_model is not None:
@@ -97,18 +102,23 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-def add_flag(parser: argparse.ArgumentParser, name: str, type_: Any, default: Any, help: str, short: str | None = None) -> None:
-    """One flag with both spellings (ATOM accepts both, users paste both)."""
+def add_flag(parser: argparse.ArgumentParser, name: str, type_: type | str, default: Any, help: str,
+             short: str | None = None) -> None:
+    """One flag with both spellings (ATOM accepts both, users paste both). `type_` is a type or
+    a dataclass field's string annotation such as "int | None"."""
     spellings = [f"--{name.replace('_', '-')}"]
     if "_" in name:
         spellings.append(f"--{name}")
     if short:
         spellings.insert(0, short)
-    if type_ in (bool, "bool"):
+    kind = type_ if isinstance(type_, type) else _ANNOTATION_TYPES[str(type_).removesuffix(" | None")]
+    if kind is bool:
         parser.add_argument(*spellings, dest=name, action="store_true", default=default, help=help)
-        return
-    kind = {"int | None": int, "int": int, "float": float, "float | None": float}.get(str(type_), str)
-    parser.add_argument(*spellings, dest=name, type=kind, default=default, help=help)
+    else:
+        parser.add_argument(*spellings, dest=name, type=kind, default=default, help=help)
+
+
+_ANNOTATION_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 # ----------------------------------------------------------------------------- model config

@@ -93,10 +93,10 @@ class Eagle3Proposer(Proposer):
     capturable = True
 
     def __init__(self, draft: Eagle3Draft, aux: AuxHiddenStates, num_spec_tokens: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, attention_backend: str = "auto"):
         self.draft, self.aux, self.num_spec_tokens, self.block_size = draft, aux, num_spec_tokens, block_size
         self.builder = PagedKVCacheBuilder(draft.attention_layers(), block_size, dtype, device, role="draft",
-                                           prefix="eagle3_")
+                                           prefix="eagle3_", backend=attention_backend)
 
     def kv_builders(self) -> list[KVCacheBuilder]:
         return [self.builder]

@@ -32,3 +32,14 @@ def test_tp_short_flag_and_limit():
 def test_bad_flags_are_named(argv, match):
     with pytest.raises(ValueError, match=match):
         parse(["--model", "m", *argv])
+
+
+def test_extra_flags_parse_to_their_types():
+    from atom_like.config import add_flag
+
+    parser = argparse.ArgumentParser()
+    add_flag(parser, "max_tokens", int, 128, "")
+    add_flag(parser, "temperature", float, 0.0, "")
+    add_flag(parser, "limit", "int | None", None, "")
+    args = parser.parse_args(["--max-tokens", "5", "--temperature", "0.5", "--limit", "3"])
+    assert (args.max_tokens, args.temperature, args.limit) == (5, 0.5, 3)

@@ -53,7 +53,8 @@ class ModelRunner:
         self.num_spec_tokens = self.proposer.num_spec_tokens if self.proposer else 0
 
         self.builders: list[KVCacheBuilder] = [
-            PagedKVCacheBuilder(self.model.attention_layers(), args.block_size, dtype, device, role="target")
+            PagedKVCacheBuilder(self.model.attention_layers(), args.block_size, dtype, device, role="target",
+                                backend=args.attention_backend)
         ] + (self.proposer.kv_builders() if self.proposer else [])
         # a verify step plus its draft chain reaches 2k slots past the last verified token
         self.max_blocks_per_seq = math.ceil((max_model_len + 2 * self.num_spec_tokens) / args.block_size)

@@ -43,4 +43,5 @@ def build_eagle3_proposer(args: EngineArgs, target: CausalLM, dtype: torch.dtype
     logger.info("EAGLE3 draft %s: k=%d, aux layers %s, fc_norm=%s, norm_output=%s, draft vocab %d",
                 args.draft_model, args.num_speculative_tokens, ids, eagle.fc_norm, eagle.norm_output,
                 eagle.draft_vocab_size)
-    return Eagle3Proposer(draft, aux, args.num_speculative_tokens, args.block_size, dtype, device)
+    return Eagle3Proposer(draft, aux, args.num_speculative_tokens, args.block_size, dtype, device,
+                          args.attention_backend)

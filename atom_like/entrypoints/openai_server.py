@@ -41,12 +41,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_cli_args(parser)
     # add_flag maps type names as dataclass annotations spell them ("int"), hence the strings.
-    add_flag(parser, "host", "str", "127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
-    add_flag(parser, "port", "int", 8000, "HTTP port.")
-    add_flag(parser, "api_key", "str | None", None, "When set, /v1/* requests need 'Authorization: Bearer KEY'.")
-    add_flag(parser, "served_model_name", "str | None", None, "Model name clients send and see (default: the model folder's name).")
-    add_flag(parser, "stats_interval", "float", 10.0, "Seconds between stats log lines while busy (0: never).")
-    add_flag(parser, "disable_uvicorn_access_log", "bool", False, "Do not log one line per HTTP request.")
+    add_flag(parser, "host", str, "127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
+    add_flag(parser, "port", int, 8000, "HTTP port.")
+    add_flag(parser, "api_key", str, None, "When set, /v1/* requests need 'Authorization: Bearer KEY'.")
+    add_flag(parser, "served_model_name", str, None, "Model name clients send and see (default: the model folder's name).")
+    add_flag(parser, "stats_interval", float, 10.0, "Seconds between stats log lines while busy (0: never).")
+    add_flag(parser, "disable_uvicorn_access_log", bool, False, "Do not log one line per HTTP request.")
     return parser
 
 

@@ -6,6 +6,7 @@ and are chosen by `select_backend` alone, so model code never changes when a bac
 """
 from __future__ import annotations
 
+import importlib.util
 from abc import ABC, abstractmethod
 from typing import Literal
 
@@ -16,6 +17,7 @@ from model_ops.attention.metadata import AttentionMetadata
 
 AttentionKind = Literal["mha", "mla"]
 Role = Literal["target", "draft"]
+BACKEND_CHOICES = ("auto", "torch", "triton", "aiter")
 
 
 class AttentionBackend(ABC):
@@ -47,24 +49,46 @@ class TorchMHABackend(AttentionBackend):
         return torch_ref.paged_attention(q, cache[0], cache[1], meta, scale)
 
 
+class TritonMHABackend(AttentionBackend):
+    """kernels_rocm's paged MHA/GQA kernels: int64 addressing (block ids past 65,535), graph-capturable."""
+
+    name = "triton"
+
+    def write(self, cache, rows, slot_mapping):
+        key, value = rows
+        kv_cache.write_kv_cache(key, value, cache[0], cache[1], slot_mapping)
+
+    def attend(self, q, cache, meta, scale):
+        return paged_attention.paged_attention(q, cache[0], cache[1], meta.query_start_loc, meta.context_lens,
+                                               meta.block_tables, meta.max_query_len, meta.max_context_len, scale)
+
+
 _BACKENDS: dict[tuple[AttentionKind, str], type[AttentionBackend]] = {("mha", "torch"): TorchMHABackend}
+if importlib.util.find_spec("triton") is not None:  # Linux wheels; without it only the reference runs
+    from kernels_rocm import kv_cache, paged_attention
+
+    _BACKENDS[("mha", "triton")] = TritonMHABackend
 
 
 def register_backend(kind: AttentionKind, backend: type[AttentionBackend]) -> None:
     _BACKENDS[(kind, backend.name)] = backend
 
 
-def select_backend(kind: AttentionKind, device: torch.device, role: Role) -> AttentionBackend:
-    """The backend for a layer of `kind` serving `role` on `device`.
-
-    CPU always takes the torch reference. On a GPU the fastest registered backend wins, except
-    that pure-MHA draft layers never take aiter's paged attention: its assembly kernels read block
-    `id & 0xFFFF` once a draft pool passes 65,535 blocks (ROCm/ATOM#702, seed 004).
-    """
-    if device.type != "cpu":
-        for name in ("aiter", "triton"):
-            if name == "aiter" and kind == "mha" and role == "draft":
-                continue
-            if (kind, name) in _BACKENDS:
-                return _BACKENDS[(kind, name)]()
-    return _BACKENDS[(kind, "torch")]()
+def select_backend(kind: AttentionKind, device: torch.device, role: Role, preference: str = "auto") -> AttentionBackend:
+    """The backend for a layer of `kind` serving `role` on `device`: `preference` if not "auto",
+    else the torch reference on CPU and the fastest registered backend on a GPU. Pure-MHA draft
+    layers never take aiter's paged attention: its assembly kernels read block `id & 0xFFFF` once
+    a draft pool passes 65,535 blocks (ROCm/ATOM#702, seed 004)."""
+    if preference not in BACKEND_CHOICES:
+        raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_CHOICES)}; got {preference!r}")
+    if preference == "auto":
+        order = ("torch",) if device.type == "cpu" else ("aiter", "triton", "torch")
+    else:
+        order = (preference,)
+    for name in order:
+        if name == "aiter" and kind == "mha" and role == "draft":
+            continue
+        if (kind, name) in _BACKENDS:
+            return _BACKENDS[(kind, name)]()
+    raise ValueError(f"no {preference} attention backend for {kind} layers here "
+                     f"(available: {', '.join(sorted(n for k, n in _BACKENDS if k == kind))})")

@@ -42,6 +42,7 @@ class PagedKVCacheBuilder:
         device: torch.device,
         role: Role,
         prefix: str = "",
+        backend: str = "auto",
     ):
         if not layers:
             raise ValueError(f"{role} model has no attention layers to cache")
@@ -50,7 +51,7 @@ class PagedKVCacheBuilder:
             raise ValueError(f"{role} attention layers disagree on the cache shape: {sorted(shapes)}")
         self.layers = list(layers)
         self.block_size, self.dtype, self.device, self.role, self.prefix = block_size, dtype, device, role, prefix
-        self.backend = select_backend(layers[0].kind, device, role)
+        self.backend = select_backend(layers[0].kind, device, role, backend)
         self.pool: torch.Tensor | None = None
 
     @property
