@@ -12,12 +12,18 @@ length next to each speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
 import time
 
 import torch
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def random_llama(path: str, hidden: int, layers: int, vocab: int, heads: int, kv_heads: int) -> str:
@@ -28,55 +34,100 @@ def random_llama(path: str, hidden: int, layers: int, vocab: int, heads: int, kv
                          max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None,
                          eos_token_id=None, pad_token_id=None, dtype="bfloat16")
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
 
 
-def timed_generate(engine, prompts, params) -> tuple[float, list[list[int]]]:
-    torch.cuda.synchronize()
+def random_eagle3_draft(path: str, target: str) -> str:
+    """A random-init EAGLE3 Llama draft shaped like the target's layers (bf16)."""
+    from safetensors.torch import save_file
+
+    cfg = json.load(open(os.path.join(target, "config.json")))
+    h, heads, kv, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    d, inter = h // heads, cfg["intermediate_size"]
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    tensors = {"fc.weight": w(h, 3 * h), "norm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "lm_head.weight": w(vocab, h), "midlayer.self_attn.o_proj.weight": w(h, heads * d),
+               "midlayer.self_attn.q_proj.weight": w(heads * d, 2 * h), "midlayer.self_attn.k_proj.weight": w(kv * d, 2 * h),
+               "midlayer.self_attn.v_proj.weight": w(kv * d, 2 * h), "midlayer.mlp.gate_proj.weight": w(inter, h),
+               "midlayer.mlp.up_proj.weight": w(inter, h), "midlayer.mlp.down_proj.weight": w(h, inter)}
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        tensors[f"midlayer.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    n = cfg["num_hidden_layers"]
+    json.dump({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+               "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
+               "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": vocab,
+               "max_position_embeddings": cfg["max_position_embeddings"], "tie_word_embeddings": False,
+               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, n // 2, n - 3], "use_aux_hidden_state": True}},
+              open(os.path.join(path, "config.json"), "w"))
+    return path
+
+
+def timed_steps(engine, prompts, params, tag: str) -> tuple[float, list[list[int]]]:
+    ids = [engine.add_request(p, params, request_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
+    done = {}
+    sync()
     start = time.perf_counter()
-    outs = engine.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    sync()
     elapsed = time.perf_counter() - start
-    return sum(len(o.token_ids) for o in outs) / elapsed, [o.token_ids for o in outs]
+    return sum(len(t) for t in done.values()) / elapsed, [done[i] for i in ids]
 
 
-def run(model: str, batch_sizes: list[int], k: int, max_tokens: int, prompt_len: int, enforce_eager: bool) -> list[dict]:
+def run(model: str, batch_sizes: list[int], k: int, max_tokens: int, prompt_len: int, enforce_eager: bool,
+        draft: str | None) -> list[dict]:
+    """One plain engine and one speculative engine whose oracle is retargeted between runs
+    (continuations, forced acceptance), so each mode builds and captures only twice."""
     from atom_like import LLMEngine, SamplingParams
+    from atom_like.engine.speculative import build_eagle3_proposer
     from spec_decode.testing import OracleProposer, accept_first
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     common = dict(max_model_len=prompt_len + max_tokens + 2 * k + 16, max_num_seqs=max(batch_sizes),
-                  gpu_memory_utilization=0.5, enforce_eager=enforce_eager)
-    rows = []
+                  gpu_memory_utilization=0.35, enforce_eager=enforce_eager)
     plain = LLMEngine(model, **common)
+    oracle: list[OracleProposer] = []
+
+    def factory(runner):
+        # with a real EAGLE3 draft the oracle pays its cost (and its captured loop), then overrides it
+        inner = None
+        if draft is not None:
+            args = dataclasses.replace(runner.args, method="eagle3", draft_model=draft, num_speculative_tokens=k)
+            inner = build_eagle3_proposer(args, runner.model, runner.dtype, runner.device)
+        oracle.append(OracleProposer({}, k, runner.vocab_size, inner=inner))
+        return oracle[0]
+
+    spec = LLMEngine(model, proposer_factory=factory, **common)
+    rows = []
     for bs in batch_sizes:
         g = torch.Generator().manual_seed(bs)
         prompts = [torch.randint(0, plain.runner.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(bs)]
-        timed_generate(plain, prompts[:1], params)  # warm-up
-        base_tps, continuations = timed_generate(plain, prompts, params)
+        timed_steps(plain, prompts[:1], params, f"warm{bs}")
+        base_tps, continuations = timed_steps(plain, prompts, params, f"plain{bs}")
         rows.append(dict(batch=bs, mode="plain", forced=None, tokens_per_s=base_tps, mean_acceptance_length=1.0))
         for m in range(k + 1):
-            conts = {str(i): c for i, c in enumerate(continuations)}
-            engine = LLMEngine(model, proposer_factory=lambda r: OracleProposer(conts, k, r.vocab_size, accept_first(m)),
-                               **common)
-            ids = [engine.add_request(p, params, request_id=str(i)) for i, p in enumerate(prompts)]
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            generated = 0
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        generated += len(out.token_ids)
-            torch.cuda.synchronize()
-            tps = generated / (time.perf_counter() - start)
-            rows.append(dict(batch=bs, mode=f"spec k={k}", forced=m, tokens_per_s=tps,
-                             mean_acceptance_length=engine.spec_stats.mean_acceptance_length,
+            oracle[0].corrupt = accept_first(m)
+            before = (spec.spec_stats.num_drafts, spec.spec_stats.num_accepted_tokens)
+            tag = f"spec{bs}m{m}"
+            oracle[0].continuations = {f"{tag}-{i}": c for i, c in enumerate(continuations)}
+            tps, _ = timed_steps(spec, prompts, params, tag)
+            drafts = spec.spec_stats.num_drafts - before[0]
+            accepted = spec.spec_stats.num_accepted_tokens - before[1]
+            rows.append(dict(batch=bs, mode=f"spec k={k}" + (" (EAGLE3 draft runs)" if draft else ""), forced=m,
+                             tokens_per_s=tps, mean_acceptance_length=1 + accepted / max(drafts, 1),
                              speedup=tps / base_tps))
-            del engine
-            torch.cuda.empty_cache()
+    del plain, spec
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -102,17 +153,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--graphs", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--no-draft", action="store_true", help="oracle only, without running a real EAGLE3 draft")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     model = random_llama(tempfile.mkdtemp(), args.hidden, args.layers, args.vocab, args.heads, args.kv_heads)
+    draft = None if args.no_draft else random_eagle3_draft(tempfile.mkdtemp(), model)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results, text = {}, []
     modes = {"off": [True], "on": [False], "both": [True, False]}[args.graphs]
     for eager in modes:
         name = "eager" if eager else "graphs"
-        results[name] = run(model, batches, args.k, args.max_tokens, args.prompt_len, eager)
-        text.append(markdown(results[name], f"{name}: Llama {args.hidden}x{args.layers}, bf16, {torch.cuda.get_device_name()}"))
+        results[name] = run(model, batches, args.k, args.max_tokens, args.prompt_len, eager, draft)
+        text.append(markdown(results[name], f"{name}: Llama {args.hidden}x{args.layers}, bf16, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"))
     with open(os.path.join(out_dir, "bench_spec.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(out_dir, "bench_spec.md"), "w") as f:

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: the GPU tests and every benchmark, results under $OUT.
+#
+#   OUT=/some/dir ci/gpu_check.sh [tests] [kernels] [models] [spec]     (default: all four)
+#
+# Writes $OUT/results.md (every table), $OUT/gpu_check.log (all output), $OUT/*.json (raw
+# numbers) and $OUT/summary.txt (exit status of each part). Wheels in .whl/ (a transformers newer
+# than the machine's, say) are installed into /tmp/site first. No step stops the others.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests kernels models spec)
+log="$OUT/gpu_check.log"
+: >"$OUT/summary.txt"
+
+run() {  # run NAME CMD...: tee into the log, record the exit status
+  local name=$1; shift
+  echo "=== $name: $*" | tee -a "$log"
+  local start=$SECONDS
+  "$@" 2>&1 | tee -a "$log"
+  local status=${PIPESTATUS[0]}
+  echo "$name: exit $status, $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+}
+
+run env python3 -c "import torch, triton, transformers, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+for part in "${parts[@]}"; do
+  case $part in
+    tests) run gpu_tests python3 -m pytest tests/gpu -q -rs -p no:cacheprovider --timeout 900 ;;
+    kernels) run bench_kernels python3 ci/bench_kernels.py --out "$OUT" ;;
+    models) run bench_models python3 ci/bench_models.py ;;
+    spec) run bench_spec python3 ci/bench_spec.py ;;
+    *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
+  esac
+done
+{
+  echo "# GPU check, $(date -u +%Y-%m-%d), $(python3 -c 'import torch; print(torch.cuda.get_device_name())')"
+  echo
+  cat "$OUT/summary.txt"
+  for md in "$OUT"/bench_*.md; do [ -f "$md" ] && { echo; cat "$md"; }; done
+} >"$OUT/results.md"
+rm -f "$OUT"/bench_*.md
+cat "$OUT/results.md"
