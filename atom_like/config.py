@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from atom_like.models.config_aliases import register_config_aliases
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -94,6 +96,7 @@ def add_flag(parser: argparse.ArgumentParser, name: str, type_: Any, default: An
 def load_model_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path!r} is not a checkpoint folder: it has no config.json")
+    register_config_aliases()
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
