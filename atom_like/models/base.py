@@ -45,7 +45,7 @@ class Eagle3Target(Protocol):
     """
 
     def set_eagle3_layers_to_capture(self, layer_ids: Sequence[int] | None) -> None:
-        """Resolve the draft's aux layer ids (None: defaults); unbinds any bound buffer."""
+        """Resolve the draft's aux layer ids (None: defaults); unbinds a buffer laid out for other ids."""
 
     @property
     def eagle3_aux_layer_ids(self) -> list[int]:
@@ -61,8 +61,8 @@ class Eagle3Target(Protocol):
         """Replace both weights (shared, not copied), e.g. to give a draft the target's."""
 
 
-def capture_stream(aux: AuxHiddenStates | None, layer_idx: int, hidden: torch.Tensor,
-                   residual: torch.Tensor | None) -> None:
+def capture_aux(aux: AuxHiddenStates | None, layer_idx: int, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> None:
     """Hand `aux` the residual stream entering layer `layer_idx`. Decoder layers here fuse the
     residual add into the next norm, so the stream is `hidden + residual` (`hidden`, the
     embeddings, before layer 0); the sum is only formed for captured layers."""
@@ -76,9 +76,9 @@ def run_decoder_layers(layers: nn.ModuleList, norm: RMSNorm, hidden: torch.Tenso
     """The pre-norm residual decoder stack shared by Llama and DeepSeek; captures aux states."""
     residual = None
     for index, layer in enumerate(layers):
-        capture_stream(aux, index, hidden, residual)
+        capture_aux(aux, index, hidden, residual)
         hidden, residual = layer(hidden, residual, cos_sin, meta)
-    capture_stream(aux, len(layers), hidden, residual)
+    capture_aux(aux, len(layers), hidden, residual)
     return norm.add_forward(hidden, residual)[0]
 
 
@@ -86,37 +86,38 @@ class DecoderModel(Protocol):
     """The inner `model` of a decoder-only CausalLM, as Eagle3TargetMixin uses it."""
 
     embed_tokens: VocabEmbedding
-    aux_hidden_states: AuxHiddenStates | None
+    aux: AuxHiddenStates | None
 
 
 class Eagle3TargetMixin:
     """Eagle3Target, written once for CausalLMs with `self.model` (a DecoderModel whose forward
-    runs `run_decoder_layers` with its `aux_hidden_states`) and `self.lm_head`."""
+    runs `run_decoder_layers` with its `aux` slot) and `self.lm_head`."""
 
     config: PretrainedConfig
     model: DecoderModel
     lm_head: LMHead
-    _eagle3_layer_ids: list[int] = []  # per instance once set; empty = capture off
+    _aux_layer_ids: list[int] = []  # per instance once set; empty = capture off
 
     def set_eagle3_layers_to_capture(self, layer_ids: Sequence[int] | None) -> None:
-        self._eagle3_layer_ids = resolve_aux_layer_ids(layer_ids, self.config.num_hidden_layers)
-        self.model.aux_hidden_states = None
+        self._aux_layer_ids = resolve_aux_layer_ids(layer_ids, self.config.num_hidden_layers)
+        if self.model.aux is not None and self.model.aux.layer_ids != self._aux_layer_ids:
+            self.model.aux = None  # a buffer laid out for other layers would be read wrongly
 
     @property
     def eagle3_aux_layer_ids(self) -> list[int]:
-        return list(self._eagle3_layer_ids)
+        return list(self._aux_layer_ids)
 
     def bind_aux_hidden_states(self, aux: AuxHiddenStates | None) -> None:
         if aux is not None:
-            if not self._eagle3_layer_ids:
+            if not self._aux_layer_ids:
                 raise ValueError("bind_aux_hidden_states before set_eagle3_layers_to_capture: no layers to capture")
-            if aux.layer_ids != self._eagle3_layer_ids:
+            if aux.layer_ids != self._aux_layer_ids:
                 raise ValueError(f"AuxHiddenStates captures layers {aux.layer_ids} but the target resolved "
-                                 f"{self._eagle3_layer_ids}: build it from target.eagle3_aux_layer_ids")
+                                 f"{self._aux_layer_ids}: build it from target.eagle3_aux_layer_ids")
             if aux.hidden_size != self.config.hidden_size:
                 raise ValueError(f"AuxHiddenStates hidden_size {aux.hidden_size} != the target's "
                                  f"{self.config.hidden_size}")
-        self.model.aux_hidden_states = aux
+        self.model.aux = aux
 
     def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.embed_tokens.weight, self.lm_head.weight

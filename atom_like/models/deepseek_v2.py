@@ -125,12 +125,12 @@ class DeepseekV2Model(nn.Module):
                    else LlamaMLP(config.hidden_size, config.intermediate_size))
             self.layers.append(LlamaDecoderLayer(config, self.rotary, DeepseekV2Attention(config, self.rotary), mlp))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.aux_hidden_states = None  # bound by Eagle3TargetMixin for EAGLE3 drafts
+        self.aux = None  # bound by Eagle3TargetMixin for EAGLE3 drafts
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        return run_decoder_layers(self.layers, self.norm, hidden, cos_sin, meta, self.aux_hidden_states)
+        return run_decoder_layers(self.layers, self.norm, hidden, cos_sin, meta, self.aux)
 
 
 class DeepseekV2ForCausalLM(Eagle3TargetMixin, CausalLM):
