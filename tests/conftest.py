@@ -76,13 +76,13 @@ TINY_KIMI_VISION = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=3
                         pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
 
 
-def _randomize(model: torch.nn.Module) -> None:
+def _randomize(model: torch.nn.Module, std: float) -> None:
     """Peaked logits (greedy ties are rare) and a non-zero MoE correction bias (transformers
     initialises it to zero, which would hide a bias applied in the wrong place)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.15)
+                p.normal_(0, std)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0, 0.3)
@@ -90,15 +90,15 @@ def _randomize(model: torch.nn.Module) -> None:
 
 @pytest.fixture(scope="session")
 def make_deepseek(tmp_path_factory):
-    """Factory: make_deepseek(arch="v3" | "v2" | "kimi", seed=0, **text-config overrides) ->
-    checkpoint folder written by transformers' save_pretrained (cached)."""
+    """Factory: make_deepseek(arch="v3" | "v2" | "kimi", seed=0, std=0.15, dtype=torch.float32,
+    **text-config overrides) -> checkpoint folder written by transformers' save_pretrained (cached)."""
     from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                               Kimi_K25Config, Kimi_K25ForConditionalGeneration)
 
     cache: dict[str, str] = {}
 
-    def make(arch: str = "v3", seed: int = 0, **overrides) -> str:
-        key = json.dumps([arch, seed, sorted(overrides.items())], default=str)
+    def make(arch: str = "v3", seed: int = 0, std: float = 0.15, dtype: torch.dtype = torch.float32, **overrides) -> str:
+        key = json.dumps([arch, seed, std, str(dtype), sorted(overrides.items())], default=str)
         if key not in cache:
             torch.manual_seed(seed)
             text = {**TINY_DEEPSEEK, **overrides}
@@ -110,7 +110,8 @@ def make_deepseek(tmp_path_factory):
                 config = Kimi_K25Config(text_config={**text, "model_type": "kimi_k2"}, vision_config=TINY_KIMI_VISION,
                                         projection_hidden_size=16, tie_word_embeddings=text["tie_word_embeddings"])
                 model = Kimi_K25ForConditionalGeneration(config)
-            _randomize(model.eval())
+            _randomize(model.eval(), std)
+            model.to(dtype)
             path = str(tmp_path_factory.mktemp(f"deepseek_{arch}"))
             model.save_pretrained(path)
             cache[key] = path
