@@ -12,12 +12,13 @@ from atom_like import LLMEngine, SamplingParams
 
 # (arch, text-config overrides); the base config (conftest.TINY_DEEPSEEK) has groups with
 # topk_group < n_group, a q LoRA, YaRN with mscale/mscale_all_dim, one dense layer and
-# norm_topk_prob true; a random correction bias is always set.
+# norm_topk_prob true; a random correction bias is always set. One variant uses the neox RoPE
+# layout (rope_interleave false), the others DeepSeek's interleaved one.
 VARIANTS = {
     "v3_groups_yarn": ("v3", {}),
-    "v3_no_q_lora_unnormed": ("v3", dict(q_lora_rank=None, norm_topk_prob=False, first_k_dense_replace=2,
-                                         num_hidden_layers=4, n_group=1, topk_group=1,
-                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "v3_no_q_lora_unnormed_neox": ("v3", dict(q_lora_rank=None, norm_topk_prob=False, first_k_dense_replace=2,
+                                              num_hidden_layers=4, n_group=1, topk_group=1, rope_interleave=False,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # transformers' only DeepSeek router with softmax scores is V2's (greedy / group_limited_greedy)
     "v2_softmax_grouped": ("v2", dict(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
     "kimi_k25": ("kimi", dict(n_group=1, topk_group=1, routed_scaling_factor=2.827)),
