@@ -97,7 +97,8 @@ def make_deepseek(tmp_path_factory):
 
     cache: dict[str, str] = {}
 
-    def make(arch: str = "v3", seed: int = 0, std: float = 0.15, dtype: torch.dtype = torch.float32, **overrides) -> str:
+    def make(arch: str = "v3", seed: int = 0, std: float = 0.15, dtype: torch.dtype = torch.float32,
+             **overrides) -> str:
         key = json.dumps([arch, seed, std, str(dtype), sorted(overrides.items())], default=str)
         if key not in cache:
             torch.manual_seed(seed)
@@ -107,8 +108,9 @@ def make_deepseek(tmp_path_factory):
             elif arch == "v2":
                 model = DeepseekV2ForCausalLM(DeepseekV2Config(**text))
             else:
-                config = Kimi_K25Config(text_config={**text, "model_type": "kimi_k2"}, vision_config=TINY_KIMI_VISION,
-                                        projection_hidden_size=16, tie_word_embeddings=text["tie_word_embeddings"])
+                # text_config defaults to deepseek_v3 (test_deepseek_loading covers the hub's kimi_k2 spelling)
+                config = Kimi_K25Config(text_config=text, vision_config=TINY_KIMI_VISION, projection_hidden_size=16,
+                                        tie_word_embeddings=text["tie_word_embeddings"])
                 model = Kimi_K25ForConditionalGeneration(config)
             _randomize(model.eval(), std)
             model.to(dtype)
