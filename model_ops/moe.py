@@ -50,7 +50,7 @@ class GatingConfig:
         the architecture (transformers' configs omit them: V3 is sigmoid + noaux_tc)."""
         gating = cls(
             num_experts=config.n_routed_experts,
-            top_k=config.num_experts_per_tok,
+            top_k=config.num_experts_per_tok or 0,
             scoring_func=getattr(config, "scoring_func", None) or scoring_func,
             topk_method=getattr(config, "topk_method", None) or topk_method,
             n_group=getattr(config, "n_group", None) or 1,

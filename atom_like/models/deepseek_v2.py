@@ -108,12 +108,11 @@ class DeepseekV2MoE(nn.Module):
 def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
     """DeepSeek's rule: MoE from `first_k_dense_replace` on, every `moe_layer_freq`-th layer
     (transformers reads only first_k_dense_replace; every released config has freq 1)."""
-    return bool(getattr(config, "n_routed_experts", None)) and index >= (config.first_k_dense_replace or 0) \
-        and index % (getattr(config, "moe_layer_freq", None) or 1) == 0
+    return index >= (config.first_k_dense_replace or 0) and index % (getattr(config, "moe_layer_freq", None) or 1) == 0
 
 
 class DeepseekV2Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, gating: GatingConfig):
+    def __init__(self, config: PretrainedConfig, gating: GatingConfig | None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         # V3 configs say rope_interleave (default true); V2 is always interleaved
@@ -121,7 +120,7 @@ class DeepseekV2Model(nn.Module):
                                       interleaved=getattr(config, "rope_interleave", True))
         self.layers = nn.ModuleList()
         for index in range(config.num_hidden_layers):
-            mlp = (DeepseekV2MoE(config, gating) if is_moe_layer(config, index)
+            mlp = (DeepseekV2MoE(config, gating) if gating is not None and is_moe_layer(config, index)
                    else LlamaMLP(config.hidden_size, config.intermediate_size))
             self.layers.append(LlamaDecoderLayer(config, self.rotary, DeepseekV2Attention(config, self.rotary), mlp))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -142,7 +141,8 @@ class DeepseekV2ForCausalLM(Eagle3TargetMixin, CausalLM):
         super().__init__()
         check_config(config)
         self.config = config
-        gating = GatingConfig.from_config(config, self.default_scoring_func, self.default_topk_method)
+        gating = (GatingConfig.from_config(config, self.default_scoring_func, self.default_topk_method)
+                  if getattr(config, "n_routed_experts", None) else None)  # None: every layer dense
         self.model = DeepseekV2Model(config, gating)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, tied_to=tied)
