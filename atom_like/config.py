@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from atom_like.models.config_aliases import register_config_aliases
 from model_ops.attention.backends import BACKEND_CHOICES
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ _ANNOTATION_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 def load_model_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path!r} is not a checkpoint folder: it has no config.json")
+    register_config_aliases()
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 

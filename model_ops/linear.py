@@ -29,5 +29,12 @@ class MergedLinear(Linear):
         start = sum(self.output_sizes[:shard])
         return slice(start, start + self.output_sizes[shard])
 
+    # ShardedParameters (atom_like.loader.weights): weight and bias are both cut by output rows.
+    def weight_shards(self, param: str) -> range:
+        return range(len(self.output_sizes))
+
+    def shard_view(self, param: str, shard: int) -> torch.Tensor:
+        return getattr(self, param).data[self.shard_rows(shard)]
+
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(self.output_sizes, dim=-1)

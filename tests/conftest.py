@@ -138,3 +138,64 @@ def make_eagle3_llama(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+# MLA + MoE with every routing feature on: groups (topk_group < n_group), a q LoRA, YaRN with
+# mscale / mscale_all_dim, a dense first layer; callers override per variant.
+TINY_DEEPSEEK = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                     num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                     kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                     routed_scaling_factor=2.5, max_position_embeddings=512, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 0.8,
+                                      "beta_fast": 32, "beta_slow": 1},
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+TINY_KIMI_VISION = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                        pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
+
+
+def _randomize(model: torch.nn.Module, std: float) -> None:
+    """Peaked logits (greedy ties are rare) and a non-zero MoE correction bias (transformers
+    initialises it to zero, which would hide a bias applied in the wrong place)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, std)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.3)
+
+
+@pytest.fixture(scope="session")
+def make_deepseek(tmp_path_factory):
+    """Factory: make_deepseek(arch="v3" | "v2" | "kimi", seed=0, std=0.15, dtype=torch.float32,
+    **text-config overrides) -> checkpoint folder written by transformers' save_pretrained (cached)."""
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
+                              Kimi_K25Config, Kimi_K25ForConditionalGeneration)
+
+    cache: dict[str, str] = {}
+
+    def make(arch: str = "v3", seed: int = 0, std: float = 0.15, dtype: torch.dtype = torch.float32,
+             **overrides) -> str:
+        key = json.dumps([arch, seed, std, str(dtype), sorted(overrides.items())], default=str)
+        if key not in cache:
+            torch.manual_seed(seed)
+            text = {**TINY_DEEPSEEK, **overrides}
+            if arch == "v3":
+                model = DeepseekV3ForCausalLM(DeepseekV3Config(**text))
+            elif arch == "v2":
+                model = DeepseekV2ForCausalLM(DeepseekV2Config(**text))
+            else:
+                # text_config defaults to deepseek_v3 (test_deepseek_loading covers the hub's kimi_k2 spelling)
+                config = Kimi_K25Config(text_config=text, vision_config=TINY_KIMI_VISION, projection_hidden_size=16,
+                                        tie_word_embeddings=text["tie_word_embeddings"])
+                model = Kimi_K25ForConditionalGeneration(config)
+            _randomize(model.eval(), std)
+            model.to(dtype)
+            path = str(tmp_path_factory.mktemp(f"deepseek_{arch}"))
+            model.save_pretrained(path)
+            cache[key] = path
+        return cache[key]
+
+    return make

@@ -1,34 +1,54 @@
 """Checkpoint loading: HF folders with one or many safetensors files.
 
-Each model declares a WeightMap (prefix renames, checkpoint projections packed into merged
-parameters, tensors to skip with the reason logged once); this module does the rest and
+Each model declares a WeightMap (prefix renames, name rules, checkpoint projections packed into
+merged parameters, tensors to skip with the reason logged once); this module does the rest and
 refuses to start on a missing, unexpected or mis-shaped tensor, naming it and both shapes.
+
+A parameter filled from several checkpoint tensors (q/k/v into one MergedLinear, per-expert
+gate/up/down into stacked expert weights) belongs to a module implementing `ShardedParameters`;
+the loader then checks every shard was loaded. Such a parameter may also arrive whole (e.g.
+transformers' fused 3-D expert tensors), which counts for all of its shards.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from model_ops.linear import MergedLinear
-
 logger = logging.getLogger(__name__)
+
+# A name rule maps a (renamed) checkpoint name to (parameter name, shard), or None to pass.
+NameRule = Callable[[str], tuple[str, Hashable | None] | None]
+
+
+@runtime_checkable
+class ShardedParameters(Protocol):
+    """A module whose parameters are each assembled from several checkpoint tensors."""
+
+    def weight_shards(self, param: str) -> Sequence[Hashable]:
+        """Every shard the parameter `param` (local name, e.g. "weight") is made of."""
+
+    def shard_view(self, param: str, shard: Hashable) -> torch.Tensor:
+        """The slice of parameter `param` that checkpoint shard `shard` fills."""
 
 
 @dataclass(frozen=True)
 class WeightMap:
     # (checkpoint prefix, parameter prefix), first match wins: e.g. Kimi's "language_model.model." -> "model."
     prefix_renames: tuple[tuple[str, str], ...] = ()
+    # tried in order after the renames and before `packed` (e.g. per-expert -> stacked expert weights)
+    rules: tuple[NameRule, ...] = ()
     # checkpoint module name -> (merged module name, shard): "q_proj" -> ("qkv_proj", 0)
     packed: dict[str, tuple[str, int]] = field(default_factory=dict)
-    # (checkpoint prefix or substring, why it is skipped), logged once per reason
+    # (prefix or substring of the renamed name, why it is skipped), logged once per reason
     skip: tuple[tuple[str, str], ...] = ()
     # parameters a checkpoint may leave out (an EAGLE3 draft without embed_tokens borrows the target's)
     optional: tuple[str, ...] = ()
@@ -78,40 +98,43 @@ def convert_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype)
 
 
+def _shards(model: nn.Module, name: str) -> list[Hashable | None]:
+    """The shards parameter `name` is loaded as ([None] when it is loaded whole)."""
+    module_name, _, local = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    return list(module.weight_shards(local)) if isinstance(module, ShardedParameters) else [None]
+
+
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], weight_map: WeightMap) -> list[str]:
     """Load every parameter of `model`; returns the optional ones the checkpoint lacked."""
     params = dict(model.named_parameters())
-    expected: set[tuple[str, int | None]] = set()
-    for name in params:
-        module = model.get_submodule(name.rpartition(".")[0])
-        if isinstance(module, MergedLinear):
-            expected.update((name, shard) for shard in range(len(module.output_sizes)))
-        else:
-            expected.add((name, None))
-    loaded: set[tuple[str, int | None]] = set()
+    expected = {(name, shard) for name in params for shard in _shards(model, name)}
+    loaded: set[tuple[str, Hashable | None]] = set()
     skipped_reasons: set[str] = set()
     model_name = type(model).__name__
 
     for ckpt_name, tensor in weights:
-        reason = next((why for key, why in weight_map.skip if ckpt_name.startswith(key) or key in ckpt_name), None)
+        renamed = _rename(ckpt_name, weight_map)
+        reason = next((why for key, why in weight_map.skip if renamed.startswith(key) or key in renamed), None)
         if reason is not None:
             if reason not in skipped_reasons:
                 logger.info("%s: skipping %s (first: %s)", model_name, reason, ckpt_name)
                 skipped_reasons.add(reason)
             continue
-        name, shard = _map_name(ckpt_name, weight_map)
+        name, shard = _map_name(renamed, weight_map)
         if name not in params:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} (shape {tuple(tensor.shape)}) has no parameter in {model_name}")
         target = params[name].data
         if shard is not None:
-            target = target[model.get_submodule(name.rpartition(".")[0]).shard_rows(shard)]
+            module_name, _, local = name.rpartition(".")
+            target = model.get_submodule(module_name).shard_view(local, shard)
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
                 f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)} but {model_name} expects "
                 f"{tuple(target.shape)} for {name}" + (f" (shard {shard})" if shard is not None else "")
             )
         target.copy_(convert_dtype(tensor, target.dtype))
-        loaded.add((name, shard))
+        loaded.update([(name, shard)] if shard is not None else [(name, s) for s in _shards(model, name)])
 
     absent = expected - loaded
     optional = sorted(n for n, _ in absent if n in weight_map.optional)
@@ -121,12 +144,18 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     return optional
 
 
-def _map_name(ckpt_name: str, weight_map: WeightMap) -> tuple[str, int | None]:
-    name = ckpt_name
+def _rename(ckpt_name: str, weight_map: WeightMap) -> str:
     for old, new in weight_map.prefix_renames:
-        if name.startswith(old):
-            name = new + name[len(old):]
-            break
+        if ckpt_name.startswith(old):
+            return new + ckpt_name[len(old):]
+    return ckpt_name
+
+
+def _map_name(name: str, weight_map: WeightMap) -> tuple[str, Hashable | None]:
+    for rule in weight_map.rules:
+        mapped = rule(name)
+        if mapped is not None:
+            return mapped
     for ckpt_module, (merged, shard) in weight_map.packed.items():
         if f".{ckpt_module}." in name:
             return name.replace(f".{ckpt_module}.", f".{merged}."), shard

@@ -1,4 +1,4 @@
-"""What the engine needs from a target model."""
+"""What the engine needs from a target model, and what speculative decoding needs from it."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -12,6 +12,8 @@ from transformers import PretrainedConfig
 from atom_like.loader.weights import WeightMap
 from model_ops.attention.layer import CachedAttention
 from model_ops.attention.metadata import AttentionMetadata
+from model_ops.embed_head import LMHead, VocabEmbedding
+from model_ops.layernorm import RMSNorm
 from spec_decode.aux_layers import AuxHiddenStates, resolve_aux_layer_ids
 
 
@@ -36,47 +38,98 @@ class CausalLM(nn.Module, ABC):
 
 @runtime_checkable
 class Eagle3Target(Protocol):
-    """A target an EAGLE3 draft can run against (seeds 002, 003, 004)."""
+    """A target an EAGLE3 draft can run on (seeds 002-004).
 
-    def set_eagle3_layers_to_capture(self, layer_ids: Sequence[int] | None) -> None: ...
+    Flow: `set_eagle3_layers_to_capture(draft ids or None)`, then the runner allocates
+    `AuxHiddenStates(target.eagle3_aux_layer_ids, ...)` and binds it; every forward then fills it.
+    """
+
+    def set_eagle3_layers_to_capture(self, layer_ids: Sequence[int] | None) -> None:
+        """Resolve the draft's aux layer ids (None: defaults); unbinds a buffer laid out for other ids."""
 
     @property
-    def eagle3_aux_layer_ids(self) -> list[int]: ...
+    def eagle3_aux_layer_ids(self) -> list[int]:
+        """The resolved capture ids (input-of-layer convention); empty when capture is off."""
 
-    def bind_aux_hidden_states(self, aux: AuxHiddenStates | None) -> None: ...
+    def bind_aux_hidden_states(self, aux: AuxHiddenStates | None) -> None:
+        """Capture into `aux` on every forward from now on (None: stop capturing)."""
 
-    def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embedding weight [vocab, H], lm_head weight [vocab, H])."""
 
-    def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None: ...
+    def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None:
+        """Replace both weights (shared, not copied), e.g. to give a draft the target's."""
+
+
+def capture_aux(aux: AuxHiddenStates | None, layer_idx: int, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> None:
+    """Hand `aux` the residual stream entering layer `layer_idx`. Decoder layers here fuse the
+    residual add into the next norm, so the stream is `hidden + residual` (`hidden`, the
+    embeddings, before layer 0); the sum is only formed for captured layers."""
+    if aux is not None and layer_idx in aux.layer_ids:
+        aux.capture(layer_idx, hidden if residual is None else hidden + residual)
+
+
+def run_decoder_layers(layers: nn.ModuleList, norm: RMSNorm, hidden: torch.Tensor,
+                       cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                       aux: AuxHiddenStates | None) -> torch.Tensor:
+    """The pre-norm residual decoder stack shared by Llama and DeepSeek; captures aux states."""
+    residual = None
+    for index, layer in enumerate(layers):
+        capture_aux(aux, index, hidden, residual)
+        hidden, residual = layer(hidden, residual, cos_sin, meta)
+    capture_aux(aux, len(layers), hidden, residual)
+    return norm.add_forward(hidden, residual)[0]
+
+
+class DecoderModel(Protocol):
+    """The inner `model` of a decoder-only CausalLM, as Eagle3TargetMixin uses it."""
+
+    embed_tokens: VocabEmbedding
+    aux: AuxHiddenStates | None
 
 
 class Eagle3TargetMixin:
-    """Eagle3Target for decoder-only models whose CausalLM has `.model` (with `embed_tokens` and
-    an `aux` slot its decoder loop writes through `capture_aux`) and `.lm_head`."""
+    """Eagle3Target, written once for CausalLMs with `self.model` (a DecoderModel whose forward
+    runs `run_decoder_layers` with its `aux` slot) and `self.lm_head`."""
 
-    _aux_layer_ids: list[int] = []
+    config: PretrainedConfig
+    model: DecoderModel
+    lm_head: LMHead
+    _aux_layer_ids: list[int] = []  # per instance once set; empty = capture off
 
     def set_eagle3_layers_to_capture(self, layer_ids: Sequence[int] | None) -> None:
         self._aux_layer_ids = resolve_aux_layer_ids(layer_ids, self.config.num_hidden_layers)
+        if self.model.aux is not None and self.model.aux.layer_ids != self._aux_layer_ids:
+            self.model.aux = None  # a buffer laid out for other layers would be read wrongly
 
     @property
     def eagle3_aux_layer_ids(self) -> list[int]:
         return list(self._aux_layer_ids)
 
     def bind_aux_hidden_states(self, aux: AuxHiddenStates | None) -> None:
-        if aux is not None and aux.layer_ids != self._aux_layer_ids:
-            raise ValueError(f"aux buffer captures layers {aux.layer_ids}, the model was set to {self._aux_layer_ids}")
+        if aux is not None:
+            if not self._aux_layer_ids:
+                raise ValueError("bind_aux_hidden_states before set_eagle3_layers_to_capture: no layers to capture")
+            if aux.layer_ids != self._aux_layer_ids:
+                raise ValueError(f"AuxHiddenStates captures layers {aux.layer_ids} but the target resolved "
+                                 f"{self._aux_layer_ids}: build it from target.eagle3_aux_layer_ids")
+            if aux.hidden_size != self.config.hidden_size:
+                raise ValueError(f"AuxHiddenStates hidden_size {aux.hidden_size} != the target's "
+                                 f"{self.config.hidden_size}")
         self.model.aux = aux
 
     def get_embed_and_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.embed_tokens.weight, self.lm_head.weight
 
     def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None:
-        self.model.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
-        self.lm_head.weight = nn.Parameter(head, requires_grad=False)
+        for name, new, old in (("embed", embed, self.model.embed_tokens.weight), ("head", head, self.lm_head.weight)):
+            if new.shape != old.shape:
+                raise ValueError(f"set_embed_and_head: {name} has shape {tuple(new.shape)}, "
+                                 f"expected {tuple(old.shape)}")
+        self.model.embed_tokens.weight = _as_parameter(embed)
+        self.lm_head.weight = _as_parameter(head)
 
 
-def capture_aux(aux: AuxHiddenStates | None, layer_idx: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-    """Record the residual stream entering layer `layer_idx` if a draft reads it."""
-    if aux is not None and layer_idx in aux.layer_ids:
-        aux.capture(layer_idx, hidden if residual is None else hidden + residual)
+def _as_parameter(t: torch.Tensor) -> nn.Parameter:
+    return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)

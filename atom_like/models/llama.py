@@ -6,7 +6,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from atom_like.loader.weights import WeightMap
-from atom_like.models.base import CausalLM, Eagle3TargetMixin, capture_aux
+from atom_like.models.base import CausalLM, Eagle3TargetMixin, run_decoder_layers
 from model_ops.activation import silu_and_mul
 from model_ops.attention.layer import PagedAttention
 from model_ops.attention.metadata import AttentionMetadata
@@ -14,7 +14,6 @@ from model_ops.embed_head import LMHead, VocabEmbedding
 from model_ops.layernorm import RMSNorm
 from model_ops.linear import Linear, MergedLinear
 from model_ops.rotary import RotaryEmbedding
-from spec_decode.aux_layers import AuxHiddenStates
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -56,12 +55,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, self_attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None):
+        """`self_attn` / `mlp` replace Llama's: DeepSeek reuses this block with MLA and MoE."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config, rotary) if self_attn is None else self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        if mlp is None:
+            mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.mlp = mlp
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin, meta: AttentionMetadata
@@ -83,17 +86,12 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, llama_head_dim(config))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.aux: AuxHiddenStates | None = None
+        self.aux = None  # bound by Eagle3TargetMixin for EAGLE3 drafts
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        residual = None
-        for idx, layer in enumerate(self.layers):
-            capture_aux(self.aux, idx, hidden, residual)
-            hidden, residual = layer(hidden, residual, cos_sin, meta)
-        capture_aux(self.aux, len(self.layers), hidden, residual)
-        return self.norm.add_forward(hidden, residual)[0]
+        return run_decoder_layers(self.layers, self.norm, hidden, cos_sin, meta, self.aux)
 
 
 class LlamaForCausalLM(Eagle3TargetMixin, CausalLM):

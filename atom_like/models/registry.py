@@ -8,12 +8,19 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from atom_like.models.base import CausalLM
+from atom_like.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from atom_like.models.eagle3_llama import Eagle3LlamaForCausalLM
+from atom_like.models.kimi_k25 import KimiK25ForConditionalGeneration
 from atom_like.models.llama import LlamaForCausalLM
 from spec_decode.eagle3 import Eagle3Draft
 
 TARGET_MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    # the hub checkpoint's (remote-code) name, and transformers' native class name
+    "KimiK25ForConditionalGeneration": KimiK25ForConditionalGeneration,
+    "Kimi_K25ForConditionalGeneration": KimiK25ForConditionalGeneration,
 }
 
 

@@ -3,6 +3,11 @@
 A backend is the pair (KV write, paged attention) for one cache layout. The torch reference runs
 everywhere and is the oracle; faster backends (Triton on any GPU, aiter on ROCm) register here
 and are chosen by `select_backend` alone, so model code never changes when a backend is added.
+
+MHA backends implement `MHABackend.attend`; MLA backends implement `MLABackend`, whose
+absorbed call has exactly the signature of the Triton kernel `kernels_rocm.mla_decode.
+mla_paged_attention` (q_latent, q_pe, latent cache, metadata, scale -> [T, N, L]), so a kernel
+is a few-line subclass and the MLA layer never changes.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ BACKEND_CHOICES = ("auto", "torch", "triton", "aiter")
 
 
 class AttentionBackend(ABC):
-    """Writes a layer's new KV rows into its paged cache and attends over the cache.
+    """Writes a layer's new KV rows into its paged cache; the kind-specific subclasses attend.
 
     `cache` is one layer's view of the pool, shaped by the layer's `kv_cache_shape`.
     """
@@ -31,11 +36,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def write(self, cache: torch.Tensor, rows: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor) -> None: ...
 
+
+class MHABackend(AttentionBackend):
     @abstractmethod
     def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
-class TorchMHABackend(AttentionBackend):
+class TorchMHABackend(MHABackend):
     """MHA/GQA cache [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V)."""
 
     name = "torch"
@@ -49,25 +56,77 @@ class TorchMHABackend(AttentionBackend):
         return torch_ref.paged_attention(q, cache[0], cache[1], meta, scale)
 
 
-class TritonMHABackend(AttentionBackend):
+class TritonMHABackend(MHABackend):
     """kernels_rocm's paged MHA/GQA kernels: int64 addressing (block ids past 65,535), graph-capturable."""
 
     name = "triton"
 
     def write(self, cache, rows, slot_mapping):
+        from kernels_rocm.kv_cache import write_kv_cache
+
         key, value = rows
-        kv_cache.write_kv_cache(key, value, cache[0], cache[1], slot_mapping)
+        write_kv_cache(key, value, cache[0], cache[1], slot_mapping)
 
     def attend(self, q, cache, meta, scale):
-        return paged_attention.paged_attention(q, cache[0], cache[1], meta.query_start_loc, meta.context_lens,
-                                               meta.block_tables, meta.max_query_len, meta.max_context_len, scale)
+        from kernels_rocm.paged_attention import paged_attention
+
+        return paged_attention(q, cache[0], cache[1], meta.query_start_loc, meta.context_lens,
+                               meta.block_tables, meta.max_query_len, meta.max_context_len, scale)
 
 
-_BACKENDS: dict[tuple[AttentionKind, str], type[AttentionBackend]] = {("mha", "torch"): TorchMHABackend}
+class MLABackend(AttentionBackend):
+    """MLA latent cache [num_blocks, block_size, L + R]; a row is [kv_a_layernorm(c_kv) | rope(k_pe)].
+
+    `write` takes rows = (latent [T, L], k_pe [T, R]).
+    """
+
+    def write(self, cache, rows, slot_mapping):
+        torch_ref.write_cache(cache, torch.cat(rows, dim=-1), slot_mapping)
+
+    @abstractmethod
+    def attend_absorbed(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q_latent [T, N, L] (q_nope . W_UK), q_pe [T, N, R] after RoPE -> [T, N, L] (before W_UV):
+        MQA over whole latent rows, values = their first L columns, causal as in AttentionMetadata."""
+
+    def attend_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, expand: torch_ref.LatentExpander) -> torch.Tensor:
+        """q_nope [T, N, P], q_pe [T, N, R] -> [T, N, V], context rows expanded through `expand`
+        (kv_b_proj). Backends without a prefill kernel inherit the reference."""
+        return torch_ref.mla_expanded_attention(q_nope, q_pe, cache, meta, scale, expand)
+
+
+class TorchMLABackend(MLABackend):
+    name = "torch"
+
+    def attend_absorbed(self, q_latent, q_pe, cache, meta, scale):
+        return torch_ref.mla_absorbed_attention(q_latent, q_pe, cache, meta, scale)
+
+
+class TritonMLABackend(MLABackend):
+    """kernels_rocm's MLA kernels (any GPU); registered only where kernels_rocm.mla_decode exists."""
+
+    name = "triton"
+
+    def write(self, cache, rows, slot_mapping):
+        from kernels_rocm.kv_cache import write_mla_kv_cache
+
+        write_mla_kv_cache(rows[0], rows[1], cache, slot_mapping)
+
+    def attend_absorbed(self, q_latent, q_pe, cache, meta, scale):
+        from kernels_rocm.mla_decode import mla_paged_attention
+
+        return mla_paged_attention(q_latent, q_pe, cache, meta.query_start_loc, meta.context_lens,
+                                   meta.block_tables, meta.max_query_len, meta.max_context_len, scale)
+
+
+_BACKENDS: dict[tuple[AttentionKind, str], type[AttentionBackend]] = {
+    ("mha", "torch"): TorchMHABackend,
+    ("mla", "torch"): TorchMLABackend,
+}
 if importlib.util.find_spec("triton") is not None:  # Linux wheels; without it only the reference runs
-    from kernels_rocm import kv_cache, paged_attention
-
     _BACKENDS[("mha", "triton")] = TritonMHABackend
+    _BACKENDS[("mla", "triton")] = TritonMLABackend
 
 
 def register_backend(kind: AttentionKind, backend: type[AttentionBackend]) -> None:

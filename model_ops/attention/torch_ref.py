@@ -8,7 +8,7 @@ The grouping reads metadata on the host, so this path is never captured in a CUD
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -141,4 +141,42 @@ def paged_attention(
         keys = gather_cache(k_cache, g.meta.block_tables, g.meta.max_context_len)
         values = gather_cache(v_cache, g.meta.block_tables, g.meta.max_context_len)
         out[g.rows] = padded_causal_attention(q[g.rows], keys, values, g.meta, scale)
+    return out
+
+
+# latent rows [..., L] -> (k_nope [..., N, P], v [..., N, V]) through the layer's kv_b_proj
+LatentExpander = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def mla_absorbed_attention(
+    q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """MLA in the absorbed form: q_latent [T, N, L] (q_nope . W_UK) and q_pe [T, N, R] attend, as
+    one KV head, to whole latent rows [num_blocks, block_size, L + R] with the first L columns as
+    values. Returns [T, N, L]."""
+    rows = cache.unsqueeze(2)
+    return paged_attention(torch.cat([q_latent, q_pe], dim=-1), rows, rows[..., : q_latent.shape[-1]], meta, scale)
+
+
+def mla_expanded_attention(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    expand: LatentExpander,
+) -> torch.Tensor:
+    """MLA in the expanded form: each group's context latent rows go through `expand` to per-head
+    k_nope / v, keys are [k_nope | shared rope part], and q = [q_nope | q_pe] attends causally with
+    qk dim P + R and v dim V. Returns [T, N, V]."""
+    num_heads, rope_dim = q_pe.shape[1], q_pe.shape[2]
+    latent_dim = cache.shape[-1] - rope_dim
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    out: torch.Tensor | None = None
+    for g in segment_groups(meta, num_heads):
+        rows = gather_cache(cache, g.meta.block_tables, g.meta.max_context_len)  # [B, S, L + R]
+        k_nope, values = expand(rows[..., :latent_dim])
+        k_pe = rows[..., None, latent_dim:].expand(-1, -1, num_heads, -1)
+        keys = torch.cat([k_nope, k_pe.to(k_nope.dtype)], dim=-1)
+        group_out = padded_causal_attention(q[g.rows], keys, values, g.meta, scale)
+        if out is None:
+            out = q.new_empty(q.shape[0], num_heads, group_out.shape[-1])
+        out[g.rows] = group_out
+    assert out is not None, "an attention step has at least one query row"
     return out

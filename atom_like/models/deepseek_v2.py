@@ -1,0 +1,172 @@
+"""DeepSeek-V2 / V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM; Kimi-K2.x's language model).
+
+MLA attention over a paged latent cache (model_ops.attention.mla), DeepSeek YaRN RoPE in the
+interleaved layout, and a MoE with shared experts after the first dense layers. transformers'
+deepseek_v2 / deepseek_v3 code is the oracle; where it differs from the original release code
+it is followed and the difference noted.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from atom_like.loader.weights import WeightMap
+from atom_like.models.base import CausalLM, Eagle3TargetMixin, run_decoder_layers
+from atom_like.models.llama import LlamaDecoderLayer, LlamaMLP
+from model_ops.attention.metadata import AttentionMetadata
+from model_ops.attention.mla import MLAAttention
+from model_ops.embed_head import LMHead, VocabEmbedding
+from model_ops.layernorm import RMSNorm
+from model_ops.linear import Linear
+from model_ops.moe import FusedExperts, GatingConfig, TopkRouter, expert_weight_rule
+from model_ops.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+def check_config(config: PretrainedConfig) -> None:
+    """Fail early, naming the field, on configs this MLA + MoE model cannot run."""
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not getattr(config, name, None):
+            raise ValueError(f"{type(config).__name__} has no {name}: DeepSeek-V2/V3 attention is MLA and needs "
+                             f"kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim in config.json")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+
+
+def mla_softmax_scale(config: PretrainedConfig) -> float:
+    """qk_head_dim^-0.5, times mscale^2 under YaRN with `mscale_all_dim`, exactly as transformers'
+    DeepseekV3Attention (yarn_apply_mscale) computes it."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = config.rope_parameters
+    mscale_all_dim = params.get("mscale_all_dim", 0)
+    if params.get("rope_type", "default") != "default" and mscale_all_dim:
+        factor = params["factor"]
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class DeepseekV2Attention(MLAAttention):
+    """MLA projections around the cached core. q: q_a_proj -> q_a_layernorm -> q_b_proj (or one
+    q_proj when q_lora_rank is None); kv: kv_a_proj_with_mqa -> [c_kv | k_pe], c_kv through
+    kv_a_layernorm. `input_size` differs from hidden_size only for EAGLE3 MLA drafts (2H)."""
+
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, input_size: int | None = None):
+        num_heads = config.num_attention_heads
+        super().__init__(num_heads, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+                         config.v_head_dim, mla_softmax_scale(config))
+        width = input_size or config.hidden_size
+        bias = getattr(config, "attention_bias", False)
+        qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        if self.q_lora_rank:
+            self.q_a_proj = Linear(width, self.q_lora_rank, bias=bias)
+            # transformers (and DeepSeek's release code) keep the default eps 1e-6 here, not rms_norm_eps
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank)
+            self.q_b_proj = Linear(self.q_lora_rank, num_heads * qk_head_dim)
+        else:
+            self.q_proj = Linear(width, num_heads * qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(width, config.kv_lora_rank + config.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank)
+        self.o_proj = Linear(num_heads * config.v_head_dim, config.hidden_size, bias=bias)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_pe = q.view(x.shape[0], self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        q_pe = self.rotary.apply(q_pe, *cos_sin)
+        k_pe = self.rotary.apply(k_pe.unsqueeze(1), *cos_sin).squeeze(1)
+        return self.o_proj(self.attend(q_nope, q_pe, self.kv_a_layernorm(latent), k_pe, meta))
+
+
+class DeepseekV2MoE(nn.Module):
+    """Routed experts weighted by the router, plus unscaled shared experts."""
+
+    def __init__(self, config: PretrainedConfig, gating: GatingConfig):
+        super().__init__()
+        self.gate = TopkRouter(config.hidden_size, gating)
+        self.experts = FusedExperts(gating.num_experts, config.hidden_size, config.moe_intermediate_size)
+        shared = getattr(config, "n_shared_experts", None) or 0
+        self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, *self.gate(x))
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
+    """DeepSeek's rule: MoE from `first_k_dense_replace` on, every `moe_layer_freq`-th layer
+    (transformers reads only first_k_dense_replace; every released config has freq 1)."""
+    return index >= (config.first_k_dense_replace or 0) and index % (getattr(config, "moe_layer_freq", None) or 1) == 0
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config: PretrainedConfig, gating: GatingConfig | None):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        # V3 configs say rope_interleave (default true); V2 is always interleaved
+        self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim,
+                                      interleaved=getattr(config, "rope_interleave", True))
+        self.layers = nn.ModuleList()
+        for index in range(config.num_hidden_layers):
+            mlp = (DeepseekV2MoE(config, gating) if gating is not None and is_moe_layer(config, index)
+                   else LlamaMLP(config.hidden_size, config.intermediate_size))
+            self.layers.append(LlamaDecoderLayer(config, self.rotary, DeepseekV2Attention(config, self.rotary), mlp))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.aux = None  # bound by Eagle3TargetMixin for EAGLE3 drafts
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        return run_decoder_layers(self.layers, self.norm, hidden, cos_sin, meta, self.aux)
+
+
+class DeepseekV2ForCausalLM(Eagle3TargetMixin, CausalLM):
+    # routing defaults when config.json omits them (transformers' configs do)
+    default_scoring_func = "softmax"
+    default_topk_method = "greedy"
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        gating = (GatingConfig.from_config(config, self.default_scoring_func, self.default_topk_method)
+                  if getattr(config, "n_routed_experts", None) else None)  # None: every layer dense
+        self.model = DeepseekV2Model(config, gating)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, tied_to=tied)
+
+    def forward(self, input_ids, positions, meta):
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def weight_map(self) -> WeightMap:
+        skip = [("rotary_emb.inv_freq", "rotary frequency buffers (recomputed from the config)")]
+        if self.config.tie_word_embeddings:
+            skip.append(("lm_head.weight", "lm_head.weight (tied to embed_tokens)"))
+        num_layers = self.config.num_hidden_layers
+        num_mtp = getattr(self.config, "num_nextn_predict_layers", None) or 0
+        # MTP modules sit after the last decoder layer as model.layers.{N..N+num_mtp-1}
+        why = (f"multi-token-prediction layers (num_nextn_predict_layers={num_mtp}: layers {num_layers}.."
+               f"{num_layers + num_mtp - 1}; not used for EAGLE3)")
+        skip += [(f"model.layers.{num_layers + i}.", why) for i in range(num_mtp)]
+        packed = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        return WeightMap(rules=(expert_weight_rule,), packed=packed, skip=tuple(skip))
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    default_scoring_func = "sigmoid"
+    default_topk_method = "noaux_tc"

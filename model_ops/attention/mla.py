@@ -1,0 +1,81 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2.x) over a paged latent cache.
+
+Per token the cache keeps one row [kv_a_layernorm(c_kv) (L) | rope(k_pe) (R)] shared by all
+heads (576 values for Kimi, independent of the 64 heads). `kv_b_proj` ([N * (P + V), L]) holds,
+per head, W_UK (P rows) then W_UV (V rows). Two exact ways to attend:
+
+* absorbed (decode / verify): q_latent = q_nope . W_UK per head, MQA of [q_latent | q_pe] over
+  whole rows with values = their first L columns, then W_UV on the [T, N, L] output. Each
+  cached row is read once for all heads and never expanded: this is what decode kernels
+  (Triton MLA, FlashMLA, aiter) implement, and the backend runs it.
+* expanded (prefill): the context rows go through kv_b_proj into per-head k_nope / v, keys are
+  [k_nope | shared rope part], attention has qk dim P + R and v dim V. A (query, key) pair costs
+  P + R + V multiply-adds per head (320 for Kimi) instead of 2 L + R (1088), so long query runs
+  are cheaper this way even after paying (P + V) L per head to expand each context row.
+
+The form is chosen per step from `max_query_len` (host-side, so no sync): see ABSORBED_MAX_QUERY_LEN.
+"""
+from __future__ import annotations
+
+import torch
+
+from model_ops.attention.backends import AttentionKind, MLABackend
+from model_ops.attention.layer import CachedAttention
+from model_ops.attention.metadata import AttentionMetadata
+from model_ops.linear import Linear
+
+# Steps whose longest query run is at most this take the absorbed form: decode (1 row) and
+# speculative verification (k + 1 rows) always do, so those steps never expand the context and
+# run through the same backend call a captured graph replays. By FLOP count the absorbed form
+# stays cheaper up to (P + V) L / (2 L - P - V) ~ 171 query rows per sequence for Kimi's dims;
+# 16 leaves room for up to 15 draft tokens while keeping prompt chunks (usually far longer, and
+# where a prefill kernel batches best) on the expanded form.
+ABSORBED_MAX_QUERY_LEN = 16
+
+
+class MLAAttention(CachedAttention):
+    """The cached core of an MLA layer: owns kv_b_proj; subclasses add the projections and RoPE."""
+
+    kind: AttentionKind = "mla"
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.scale = scale
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [N, P, L] and W_UV [N, V, L]: views of kv_b_proj, no copies."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows [..., L] -> (k_nope [..., N, P], v [..., N, V])."""
+        kv = self.kv_b_proj(latent).view(*latent.shape[:-1], self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        return kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+               meta: AttentionMetadata, absorbed: bool | None = None) -> torch.Tensor:
+        """q_nope [T, N, P], q_pe [T, N, R] (after RoPE), this step's latent [T, L] (after
+        kv_a_layernorm) and k_pe [T, R] (after RoPE) -> attention output [T, N * V].
+
+        `absorbed` forces a form (tests compare the two); None picks it from the query length."""
+        cache, backend = self._bound()
+        if not isinstance(backend, MLABackend):
+            raise TypeError(f"MLA layer bound to {type(backend).__name__}, which is not an MLABackend")
+        backend.write(cache, (latent, k_pe), meta.slot_mapping)
+        if absorbed is None:
+            absorbed = meta.max_query_len <= ABSORBED_MAX_QUERY_LEN
+        if absorbed:
+            w_uk, w_uv = self._w_uk_uv()
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, N, L]
+            out_latent = backend.attend_absorbed(q_latent, q_pe, cache, meta, self.scale)
+            out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, N, V]
+        else:
+            out = backend.attend_expanded(q_nope, q_pe, cache, meta, self.scale, self.expand)
+        return out.flatten(1)

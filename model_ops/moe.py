@@ -1,0 +1,192 @@
+"""DeepSeek-style mixture of experts: the router (gating) and the routed experts.
+
+Gating follows transformers' routers, the oracle: DeepseekV3TopkRouter (sigmoid scores, the
+`e_score_correction_bias` added for selection only, groups ranked by the sum of their top-2
+biased scores, "noaux_tc") and DeepseekV2TopkRouter (softmax scores, "greedy" or groups ranked by
+their best score, "group_limited_greedy"). Every step is a device op (no host syncs), so routing
+can be captured in a graph. Weights always come from the unbiased scores, are renormalised when
+`norm_topk_prob`, then multiplied by `routed_scaling_factor` (transformers' V2 router ignores
+`norm_topk_prob`; no released V2 checkpoint sets it).
+
+Routed experts are stored stacked, w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I],
+and run through one function with the signature of kernels_rocm's Triton fused MoE;
+`select_experts_impl` is the one switch between it and the reference loop here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from model_ops.activation import silu_and_mul
+
+SCORING_FUNCS = ("sigmoid", "softmax")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+# (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K] fp32, topk_ids [T, K]) -> [T, H]
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GatingConfig:
+    num_experts: int
+    top_k: int
+    scoring_func: str
+    topk_method: str
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, scoring_func: str, topk_method: str) -> "GatingConfig":
+        """Read and check the routing fields; `scoring_func` / `topk_method` are the defaults of
+        the architecture (transformers' configs omit them: V3 is sigmoid + noaux_tc)."""
+        gating = cls(
+            num_experts=config.n_routed_experts,
+            top_k=config.num_experts_per_tok or 0,
+            scoring_func=getattr(config, "scoring_func", None) or scoring_func,
+            topk_method=getattr(config, "topk_method", None) or topk_method,
+            n_group=getattr(config, "n_group", None) or 1,
+            topk_group=getattr(config, "topk_group", None) or 1,
+            norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
+            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", None) or 1.0),
+        )
+        gating.validate()
+        return gating
+
+    def validate(self) -> None:
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func {self.scoring_func!r} is not supported; "
+                             f"supported: {', '.join(SCORING_FUNCS)}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method {self.topk_method!r} is not supported; supported: {', '.join(TOPK_METHODS)}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, n_routed_experts={self.num_experts}]")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group {self.topk_group} > n_group {self.n_group}: "
+                             "cannot keep more expert groups than exist")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"n_routed_experts {self.num_experts} is not a multiple of n_group {self.n_group}")
+        if self.grouped:
+            per_group = self.num_experts // self.n_group
+            if self.topk_method == "noaux_tc" and per_group < 2:
+                raise ValueError(f"n_group {self.n_group} leaves {per_group} expert per group; "
+                                 "noaux_tc ranks groups by their top 2")
+            if self.top_k > self.topk_group * per_group:
+                raise ValueError(f"num_experts_per_tok {self.top_k} exceeds the {self.topk_group * per_group} experts "
+                                 f"in topk_group={self.topk_group} groups of n_group={self.n_group}")
+
+    @property
+    def grouped(self) -> bool:
+        """Group-limited selection that can change the result (keeping every group is a no-op)."""
+        return self.topk_method != "greedy" and self.topk_group < self.n_group
+
+
+def select_experts(logits: torch.Tensor, bias: torch.Tensor | None,
+                   gating: GatingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 router logits [T, E] -> (weights [T, K] fp32, expert ids [T, K] int64)."""
+    scores = logits.sigmoid() if gating.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if bias is None else scores + bias
+    if gating.grouped:
+        grouped = choice.view(choice.shape[0], gating.n_group, -1)
+        if gating.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        keep = group_scores.topk(gating.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).flatten(1)
+    ids = choice.topk(gating.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if gating.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * gating.routed_scaling_factor, ids
+
+
+class TopkRouter(nn.Module):
+    """`mlp.gate`: router weight [E, H] (+ the fp32 correction bias for noaux_tc)."""
+
+    def __init__(self, hidden_size: int, gating: GatingConfig):
+        super().__init__()
+        self.gating = gating
+        self.weight = nn.Parameter(torch.empty(gating.num_experts, hidden_size), requires_grad=False)
+        # fp32 whatever the model dtype, like transformers (_keep_in_fp32_modules_strict)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(gating.num_experts, dtype=torch.float32), requires_grad=False)
+            if gating.topk_method == "noaux_tc" else None
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())  # fp32 logits, as every reference does
+        return select_experts(logits, self.e_score_correction_bias, self.gating)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """Reference routed experts: one SwiGLU per expert that received tokens, weighted sum over a
+    token's K experts accumulated in fp32. Reads the routing on the host: not graph-capturable."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for expert in torch.unique(topk_ids).tolist():
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        y = F.linear(silu_and_mul(F.linear(x[token], w13[expert])), w2[expert])
+        out.index_add_(0, token, y.float() * topk_weights[token, slot, None])
+    return out.to(x.dtype)
+
+
+def select_experts_impl(device: torch.device) -> ExpertsFn:
+    """The one switch for routed experts: the Triton fused MoE (kernels_rocm.fused_moe, same
+    signature) on a GPU where that module exists, else the reference."""
+    if device.type != "cpu" and importlib.util.find_spec("kernels_rocm.fused_moe") is not None:
+        from kernels_rocm.fused_moe import fused_moe
+
+        return fused_moe
+    return fused_experts
+
+
+class FusedExperts(nn.Module):
+    """`mlp.experts`: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.impl = select_experts_impl(self.w13.device)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.impl(x, self.w13, self.w2, topk_weights, topk_ids)
+
+    # ShardedParameters (atom_like.loader.weights): one shard per expert and projection, "3.up_proj".
+    def weight_shards(self, param: str) -> list[str]:
+        projections = ("down_proj",) if param == "w2" else ("gate_proj", "up_proj")
+        return [f"{e}.{p}" for e in range(self.num_experts) for p in projections]
+
+    def shard_view(self, param: str, shard: Hashable) -> torch.Tensor:
+        expert, projection = str(shard).split(".")
+        if projection == "down_proj":
+            return self.w2.data[int(expert)]
+        rows = slice(0, self.intermediate_size) if projection == "gate_proj" else slice(self.intermediate_size, None)
+        return self.w13.data[int(expert), rows]
+
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def expert_weight_rule(name: str) -> tuple[str, str | None] | None:
+    """Checkpoint expert names -> (FusedExperts parameter, shard). Two layouts: per expert
+    (`experts.{e}.{gate,up,down}_proj.weight`: DeepSeek/Kimi releases, and what transformers 5.23's
+    save_pretrained writes) and stacked 3-D (`experts.gate_up_proj` [E, 2I, H] /
+    `experts.down_proj` [E, H, I]: transformers' in-memory layout, loaded whole)."""
+    if m := _PER_EXPERT.match(name):
+        return f"{m[1]}.{'w2' if m[3] == 'down_proj' else 'w13'}", f"{m[2]}.{m[3]}"
+    if m := _STACKED.match(name):
+        return f"{m[1]}.{'w13' if m[2] == 'gate_up_proj' else 'w2'}", None
+    return None
