@@ -1,0 +1,1 @@
+"""atom_like: an ATOM-style LLM inference engine built around EAGLE3 speculative decoding."""
