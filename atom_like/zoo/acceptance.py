@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from atom_like.zoo.data import read_jsonl
 from atom_like.zoo.eagle3_reference import Eagle3Draft, reference_speculate, target_aux
 from atom_like.zoo.eagle3_ttt import unroll
 from atom_like.zoo.regenerate import greedy_generate
@@ -130,10 +131,8 @@ def format_table(report: dict) -> str:
 def load_eval_prompts(path: Path, per_set: int | None = None) -> dict[str, list]:
     """``eval_prompts.jsonl`` (written by build_data) -> {set name: [chat, ...]}."""
     sets: dict[str, list] = {}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            sets.setdefault(rec["set"], []).append(rec["messages"])
+    for rec in read_jsonl(Path(path)):
+        sets.setdefault(rec["set"], []).append(rec["messages"])
     return {k: v[:per_set] if per_set else v for k, v in sets.items()}
 
 

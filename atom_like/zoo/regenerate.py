@@ -14,7 +14,6 @@ never re-tokenized from a decoded string.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -66,6 +65,7 @@ def regenerate(target, tok, chats: list, stop_ids, max_new_tokens: int, batch_si
 
 
 def main(argv=None):
+    from atom_like.zoo.data import read_jsonl
     from atom_like.zoo.shards import write_shards
     from atom_like.zoo.targets import load_target
 
@@ -84,7 +84,7 @@ def main(argv=None):
     t0 = time.time()
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     target, tok, stop = load_target(args.target, dtype, args.device)
-    chats = [json.loads(line)["messages"] for line in Path(args.prompts).read_text(encoding="utf-8").splitlines() if line.strip()]
+    chats = [r["messages"] for r in read_jsonl(Path(args.prompts))]
     chats = chats[: args.limit] if args.limit else chats
     docs = regenerate(target, tok, chats, stop, args.max_new_tokens, args.batch_size, args.max_prompt_tokens,
                       t0 + 60 * args.minutes if args.minutes else None)

@@ -68,7 +68,9 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in zoo.json as the reproducing command
+    return args
 
 
 def choose_draft_vocab(tokens: np.ndarray, mask: np.ndarray, vocab: int, size: int, must_have) -> tuple[torch.Tensor, float]:
@@ -132,7 +134,7 @@ def train(args) -> dict:
     log = TrainLog(log_dir / "train_log.csv")
     batches = PackedWindows(tokens, mask, args.seq_len, args.seed).batches(args.batch_size)
     S, T = args.ttt_steps, args.seq_len
-    budget = Budget(args.minutes, args.max_steps)
+    budget = Budget(args.minutes, args.max_steps, args.name or "eagle3 draft")
     print(f"[train_eagle3] target {args.target} | draft {draft.config['architectures'][0]} "
           f"vocab {draft.draft_vocab} | {sum(p.numel() for p in params) / 1e6:.2f}M trainable | "
           f"{len(tokens) / 1e6:.1f}M tokens {data_counts} | setup {time.time() - t_start:.0f}s", flush=True)
@@ -166,6 +168,7 @@ def train(args) -> dict:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
+        budget.tick(step)
         seen += ids.numel()
         loss_sum += loss.detach()
         since += 1
@@ -183,8 +186,8 @@ def train(args) -> dict:
     summary = {"name": args.name, "target": str(args.target), "steps": step, "tokens": seen,
                "train_seconds": round(train_seconds, 1), "device": torch.cuda.get_device_name() if cuda else "cpu",
                "data": data_counts, "final_acc_per_step": log.rows[-1] if log.rows else None, **info,
-               "recipe": {k: v for k, v in vars(args).items() if k not in ("device",)},
-               "command": "python -m atom_like.zoo.train_eagle3 " + " ".join(sys.argv[1:])}
+               "recipe": {k: v for k, v in vars(args).items() if k not in ("device", "argv")},
+               "command": "python -m atom_like.zoo.train_eagle3 " + " ".join(args.argv)}
     target_embed = target.get_input_embeddings().weight
     files = save_draft(draft.float(), Path(args.out), target_embed, summary)  # saved before the eval can overrun
     if log.rows:

@@ -58,7 +58,9 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in zoo.json as the reproducing command
+    return args
 
 
 class RouterBalancer:
@@ -191,7 +193,7 @@ def train(args) -> dict:
     log = TrainLog(log_dir / "train_log.csv")
     print(f"[train_target] tiny-kimi {n_params / 1e6:.2f}M params | {len(tokens) / 1e6:.1f}M train tokens, "
           f"{len(ho_tokens) / 1e3:.0f}k held-out | setup {time.time() - t_start:.0f}s", flush=True)
-    budget = Budget(args.minutes, args.max_steps)
+    budget = Budget(args.minutes, args.max_steps, "tiny-kimi")
     step, seen, since, loss_sum = 0, 0, 0, torch.zeros((), device=device)
     best = {"loss": math.inf}
     next_eval = 1.0 / max(1, args.evals)
@@ -215,6 +217,7 @@ def train(args) -> dict:
             g["lr"] = lr
         loss_sum += step_fn(next(batches))
         step += 1
+        budget.tick(step)
         since += 1
         seen += args.batch_size * args.seq_len
         if step % args.log_every == 0:
@@ -235,8 +238,8 @@ def train(args) -> dict:
         "experts_implementation": impl, "best_step": best["step"],
         "heldout_loss": round(best["loss"], 4), "heldout_ppl": round(math.exp(best["loss"]), 2),
         "heldout_assistant_ppl": round(math.exp(best["assistant_loss"]), 2),
-        "recipe": {k: v for k, v in vars(args).items() if k != "device"},
-        "command": "python -m atom_like.zoo.train_target " + " ".join(sys.argv[1:]),
+        "recipe": {k: v for k, v in vars(args).items() if k not in ("device", "argv")},
+        "command": "python -m atom_like.zoo.train_target " + " ".join(args.argv),
     }
     if args.eval_prompts:
         summary["samples"] = samples(model, tok, args.eval_prompts, args.samples, stop, device)

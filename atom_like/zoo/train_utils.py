@@ -17,12 +17,19 @@ import numpy as np
 
 
 class Budget:
-    """Progress in [0, 1] of a run bounded by ``minutes`` and/or ``max_steps`` (whichever ends first)."""
+    """Progress in [0, 1] of a run bounded by ``minutes`` and/or ``max_steps`` (whichever ends first),
+    shown as a tqdm bar on a terminal (silent in logs, which get the trainers' periodic lines)."""
 
-    def __init__(self, minutes: float, max_steps: int = 0):
+    def __init__(self, minutes: float, max_steps: int = 0, desc: str = "train"):
+        from tqdm.auto import tqdm
+
         if minutes <= 0 and max_steps <= 0:
             raise ValueError("give --minutes or --max-steps")
         self.start, self.seconds, self.max_steps = time.time(), 60.0 * minutes, max_steps
+        self.bar = tqdm(total=100, desc=desc, unit="%", disable=None, leave=False)
+
+    def tick(self, step: int):
+        self.bar.update(int(100 * self.progress(step)) - self.bar.n)
 
     def elapsed(self) -> float:
         return time.time() - self.start

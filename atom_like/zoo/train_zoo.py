@@ -17,7 +17,8 @@ given back between calls, so every stage gets its minutes trimmed to what is lef
 at most 8 files of 16 MiB). The three tiny-kimi drafts train as parallel processes by default
 (``ZOO_PARALLEL=1``): each is small and launch-bound, so sharing the GPU costs them little.
 Work lives in ``ZOO_WORK`` (default /tmp/zoo_work), which a later call finds while the machine
-stays warm; a stage whose input was made by an earlier call also looks in ``.stage/trained/``.
+stays warm; a stage whose input was made by an earlier call also looks in ``.stage/trained/``
+(that call's output, unpacked and carried).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def planned_seconds(stage: str) -> float:
         "tiny-target": 60 * float(env("ZOO_TARGET_MIN", "5")) + 75,
         "tiny-regen": 60 * float(env("ZOO_TINY_REGEN_MIN", "0.5")) + 20,
         "tiny-drafts": (1 if parallel else len(TINY_DRAFTS)) * (60 * float(env("ZOO_TINY_DRAFT_MIN", "2")) + 75) + 30,
-        "smol-convert": 40,
+        "smol-convert": 60,
         "smol-regen": 60 * float(env("ZOO_SMOL_REGEN_MIN", "1.5")) + 30,
         "smol-draft": 60 * float(env("ZOO_SMOL_DRAFT_MIN", "6")) + 100,
     }[stage]
@@ -88,12 +89,13 @@ class Run:
         return max(0.0, min(want, (self.deadline - time.time() - fixed - later) / 60))
 
     def find(self, name: str) -> Path:
-        """An input made by this or an earlier call: the work folder, else ``.stage/trained``."""
-        for base in (self.work / "models", self.work / "data", self.stage / "trained"):
-            if (base / name).exists():
-                return base / name
-        raise FileNotFoundError(f"{name} was not made by an earlier stage: run its stage first or carry it in "
-                                f".stage/trained/{name} (see atom_like/zoo/README.md)")
+        """An input made by this call, by an earlier call on this (warm) machine, or carried in
+        ``.stage/trained`` (gathered into the work folder at start)."""
+        for sub in ("models", "data"):
+            if (self.work / sub / name).exists():
+                return self.work / sub / name
+        raise FileNotFoundError(f"{name} was not made by an earlier stage: run its stage first, or unpack that "
+                                f"call's output into .stage/trained and carry it (atom_like/zoo/README.md)")
 
     def log(self, msg: str):
         print(f"[train_zoo {time.time() - self.t0:6.0f}s] {msg}", flush=True)
@@ -123,6 +125,7 @@ def stage_tiny_target(run: Run):
 def regen_stage(run: Run, target_dir: Path, name: str, minutes: float, batch: int, max_new: int):
     import torch
 
+    from atom_like.zoo.data import read_jsonl
     from atom_like.zoo.regenerate import regenerate
     from atom_like.zoo.shards import write_shards
     from atom_like.zoo.targets import load_target
@@ -130,8 +133,7 @@ def regen_stage(run: Run, target_dir: Path, name: str, minutes: float, batch: in
     t = time.time()
     cuda = run.device.startswith("cuda")
     target, tok, stop = load_target(target_dir, torch.bfloat16 if cuda else torch.float32, run.device)
-    lines = (run.stage / "regen_prompts.jsonl").read_text(encoding="utf-8").splitlines()
-    chats = [json.loads(line)["messages"] for line in lines if line.strip()]
+    chats = [r["messages"] for r in read_jsonl(run.stage / "regen_prompts.jsonl")]
     batch, max_new = int(env("ZOO_REGEN_BATCH", str(batch))), int(env("ZOO_REGEN_MAX_NEW", str(max_new)))
     docs = regenerate(target, tok, chats, stop, max_new, batch, 512, time.time() + 60 * minutes)
     folder = run.work / "data" / name
@@ -224,18 +226,19 @@ def stage_smol_draft(run: Run):
     return run_drafts(run, {"smollm2-135m-eagle3": cmd}, parallel=False)
 
 
-def gather_gguf_parts(run: Run):
-    """Copy GGUF parts carried by this call into the work folder, where a later call finds them."""
-    dest = run.work / "gguf"
-    for folder in sorted(run.stage.glob("gguf-*")):
-        for f in folder.iterdir():
-            target = dest / f.name
-            if f.is_dir():
-                if not target.exists():
-                    shutil.copytree(f, target)
-            elif not target.exists() or target.stat().st_size != f.stat().st_size:
-                dest.mkdir(parents=True, exist_ok=True)
-                shutil.copy(f, target)
+def gather_carried(run: Run):
+    """Copy what this call carried into the work folder, where later stages and later calls (while
+    the machine stays warm) find it: GGUF parts from ``.stage/gguf-*`` and earlier calls' outputs
+    unpacked into ``.stage/trained/{models,data}``. Files already there are kept."""
+    pairs = [(f, run.work / "gguf" / f.name) for d in sorted(run.stage.glob("gguf-*")) for f in d.iterdir()]
+    pairs += [(f, run.work / sub / f.name) for sub in ("models", "data") if (run.stage / "trained" / sub).is_dir()
+              for f in (run.stage / "trained" / sub).iterdir()]
+    for src, dest in pairs:
+        if dest.exists():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, dest) if src.is_dir() else shutil.copy(src, dest)
+        run.log(f"carried in: {dest}")
 
 
 def table(report: dict) -> str:
@@ -289,7 +292,7 @@ def main() -> int:
     import torch
 
     run.report.update(plan=plan, device=torch.cuda.get_device_name() if run.device.startswith("cuda") else "cpu")
-    gather_gguf_parts(run)
+    gather_carried(run)
     failed = False
     for stage in plan:
         run.log(f"stage {stage} ({(run.deadline - time.time()) / 60:.1f} min left)")
