@@ -177,3 +177,13 @@ def test_reference_speculate_is_lossless_and_replay_matches_it(micro, target, ar
             assert acceptance.replay(h, s, len(p), k, 24, stop) == ref_counts
             total += sum(ref_counts)
     assert total > 0  # the comparison covered accepted drafts, not only rejections
+
+
+def test_default_aux_layer_ids():
+    assert R.default_aux_layer_ids(61) == [2, 30, 58] and R.default_aux_layer_ids(30) == [2, 15, 27]
+    assert R.default_aux_layer_ids(5) == [2, 3, 4]  # tiny-kimi
+    for n in range(5, 65):
+        ids = R.default_aux_layer_ids(n)
+        assert len(set(ids)) == 3 and ids == sorted(ids) and ids[0] == 2 and ids[-1] <= n - 1
+    with pytest.raises(ValueError, match="too shallow"):
+        R.default_aux_layer_ids(4)

@@ -71,7 +71,7 @@ def llama_target(tmp: Path, tok, layers: int = 5, seed: int = 0) -> Path:
     return out
 
 
-MICRO_KIMI = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+MICRO_KIMI = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=5,
                   num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_group=2,
                   topk_group=1, max_position_embeddings=1024,

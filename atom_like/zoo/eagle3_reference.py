@@ -261,14 +261,15 @@ def aux_layer_ids(cfg: dict) -> list[int]:
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """(2, N//2, N-3) as EAGLE/vLLM/ATOM; for targets too shallow for that (N < 7, where those ids
-    repeat) three ids spread over 1..N-1 instead. HF hidden_states[N] is post-norm, so N is never used."""
+    """(2, N//2, N-3) as EAGLE/vLLM/ATOM. Targets too shallow for that (N < 7, where those ids
+    repeat) get three ids spread over 2..N-1: never 1, since a first id of 1 marks the "output of
+    layer" numbering that engines shift by one, and never N, since HF hidden_states[N] is post-norm."""
     ids = [2, num_layers // 2, num_layers - 3]
-    if ids == sorted(set(ids)) and ids[0] >= 1:
+    if ids == sorted(set(ids)):
         return ids
-    if num_layers < 4:
-        raise ValueError(f"a {num_layers}-layer target is too shallow for three distinct aux layers")
-    return sorted({round(1 + i * (num_layers - 2) / 2) for i in range(3)})
+    if num_layers < 5:
+        raise ValueError(f"a {num_layers}-layer target is too shallow for three aux layers in 2..N-1")
+    return [round(2 + i * (num_layers - 3) / 2) for i in range(3)]
 
 
 def legacy_rope_scaling(rope_parameters: dict) -> dict | None:

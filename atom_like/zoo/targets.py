@@ -51,7 +51,3 @@ def load_target(name_or_dir, dtype: torch.dtype = torch.float32, device="cpu"):
     tok = AutoTokenizer.from_pretrained(str(path))
     return model.to(device).eval(), tok, stop_token_ids(path, tok)
 
-
-def text_config(model):
-    """The transformers text config of a loaded target (its own config for causal LMs)."""
-    return getattr(model.config, "text_config", model.config)

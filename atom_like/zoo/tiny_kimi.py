@@ -28,11 +28,12 @@ import torch
 
 from atom_like.zoo.checkpoint import load_tensors, save_sharded
 
-# Sizes: target + three drafts must fit in 40 MB of bf16 (see atom_like/zoo/README.md).
+# Sizes: target + three drafts must fit in 40 MB of bf16 (see atom_like/zoo/README.md); 5 layers
+# is the fewest that gives three EAGLE3 aux layers in 2..N-1 (eagle3_reference.default_aux_layer_ids).
 # rms_norm_eps is 1e-6 because transformers' DeepseekV3Attention normalises the q/kv latents with
 # a fixed 1e-6 while vLLM/sglang use the config's eps: with 1e-6 everywhere both readings agree.
 TEXT_DEFAULTS = dict(
-    hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=4,
+    hidden_size=256, intermediate_size=512, moe_intermediate_size=112, num_hidden_layers=5,
     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64,
     qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,

@@ -161,23 +161,31 @@ def draft_command(run: Run, name: str, target: Path, data: list[str], extra: lis
 
 
 def run_drafts(run: Run, jobs: dict[str, list[str]], parallel: bool) -> dict:
-    """Run draft trainings (subprocesses, logs to files); their summaries come from summary.json."""
-    results = {}
-    procs = {}
-    for name, cmd in jobs.items():
+    """Run draft trainings as subprocesses (logs to files), all at once or one after another;
+    each result is its summary.json. A run still going at the deadline is stopped: its checkpoint
+    was saved before its evaluation, so it still ships."""
+    def start(name, cmd):
         log_file = run.work / "logs" / f"{name}.stdout"
-        log_file.parent.mkdir(parents=True, exist_ok=True)
         run.log(f"start {name}: {' '.join(cmd[1:])}")
-        procs[name] = (subprocess.Popen(cmd, stdout=open(log_file, "w"), stderr=subprocess.STDOUT), log_file)
-        if not parallel:
-            procs[name][0].wait()
-    for name, (proc, log_file) in procs.items():
-        rc = proc.wait()
-        print(f"----- {name} (exit {rc}), last lines of {log_file.name}:\n" + "\n".join(log_file.read_text().splitlines()[-22:]), flush=True)
+        return subprocess.Popen(cmd, stdout=open(log_file, "w"), stderr=subprocess.STDOUT), log_file
+
+    def finish(name, proc, log_file):
+        try:
+            rc = proc.wait(timeout=max(5.0, run.deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+            run.log(f"{name} ran past the deadline and was stopped")
+        tail = "\n".join(log_file.read_text().splitlines()[-22:])
+        print(f"----- {name} (exit {rc}), last lines of {log_file.name}:\n{tail}", flush=True)
         run.produced += [run.work / "models" / name, run.work / "logs" / name, log_file]
         summary = run.work / "logs" / name / "summary.json"
-        results[name] = json.loads(summary.read_text()) if rc == 0 and summary.is_file() else {"error": f"exit {rc}"}
-    return results
+        return json.loads(summary.read_text()) if rc == 0 and summary.is_file() else {"error": f"exit {rc}"}
+
+    if parallel:
+        started = {name: start(name, cmd) for name, cmd in jobs.items()}
+        return {name: finish(name, *pl) for name, pl in started.items()}
+    return {name: finish(name, *start(name, cmd)) for name, cmd in jobs.items()}
 
 
 def stage_tiny_drafts(run: Run):
