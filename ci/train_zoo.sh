@@ -10,7 +10,7 @@
 #   ZOO_STAGES=smol-convert,smol-regen,smol-draft ci/train_zoo.sh      # call 2
 #
 # Budgets (minutes): ZOO_TARGET_MIN=5 ZOO_TINY_REGEN_MIN=0.5 ZOO_TINY_DRAFT_MIN=2 (each, run in
-# parallel unless ZOO_PARALLEL=0) ZOO_SMOL_REGEN_MIN=1.5 ZOO_SMOL_DRAFT_MIN=6; every stage is
+# parallel unless ZOO_PARALLEL=0) ZOO_SMOL_REGEN_MIN=1 ZOO_SMOL_DRAFT_MIN=5; every stage is
 # trimmed to fit ZOO_DEADLINE_MIN=9.3 (the device allows 10 minutes a command).
 # Extra arguments: ZOO_TARGET_ARGS (train_target), ZOO_DRAFT_ARGS (train_eagle3), ZOO_SMOL_INIT
 # (continue the SmolLM2 draft from a checkpoint), ZOO_SMOL_DRAFT_VOCAB (default 24576).

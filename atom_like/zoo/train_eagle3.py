@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -33,7 +32,8 @@ from atom_like.zoo.eagle3_reference import Eagle3Draft, load_draft, make_draft_c
 from atom_like.zoo.eagle3_ttt import shift_left, soft_label_loss, target_labels, unroll, valid_rows
 from atom_like.zoo.shards import PackedWindows
 from atom_like.zoo.targets import load_target, zoo_path
-from atom_like.zoo.train_utils import Budget, TrainLog, cosine_lr, fmt_seconds, load_token_mix
+from atom_like.zoo.train_utils import (Budget, TrainLog, add_run_args, cosine_lr, fmt_seconds, load_token_mix,
+                                       parse_recorded)
 
 
 def parse_args(argv=None):
@@ -44,17 +44,10 @@ def parse_args(argv=None):
     ap.add_argument("--norm-output", action="store_true", help="EAGLE3.1: carry the post-norm hidden")
     ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocab size (0 = the target's)")
     ap.add_argument("--data", action="append", required=True, help="DIR:SET[*N][,SET] shard sets (repeatable)")
-    ap.add_argument("--out", required=True, help="folder for the draft checkpoint")
-    ap.add_argument("--log-dir", default=None, help="folder for logs and plots (default: OUT-logs)")
+    add_run_args(ap, batch_size=16, lr=1e-3, weight_decay=0.0, log_every=25)
     ap.add_argument("--name", default=None, help="zoo name recorded in zoo.json")
-    ap.add_argument("--minutes", type=float, default=0.0, help="training time budget (evaluation not included)")
-    ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--init", default=None, help="continue from this draft checkpoint")
     ap.add_argument("--ttt-steps", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--all-tokens", action="store_true", help="train on every token, not only assistant turns")
     ap.add_argument("--intermediate-size", type=int, default=0)
     ap.add_argument("--heads", type=int, default=0)
@@ -65,12 +58,7 @@ def parse_args(argv=None):
     ap.add_argument("--eval-per-set", type=int, default=64)
     ap.add_argument("--eval-max-new", type=int, default=128)
     ap.add_argument("--ref-check", type=int, default=4, help="prompts per set also run through reference_speculate")
-    ap.add_argument("--log-every", type=int, default=25)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in zoo.json as the reproducing command
-    return args
+    return parse_recorded(ap, argv)
 
 
 def choose_draft_vocab(tokens: np.ndarray, mask: np.ndarray, vocab: int, size: int, must_have) -> tuple[torch.Tensor, float]:

@@ -32,21 +32,15 @@ import torch
 
 from atom_like.zoo import kimi_tokenizer, tiny_kimi
 from atom_like.zoo.shards import PackedWindows, prompt_ids, read_set
-from atom_like.zoo.train_utils import Budget, TrainLog, cosine_lr, fmt_seconds, load_token_mix
+from atom_like.zoo.train_utils import (Budget, TrainLog, add_run_args, cosine_lr, fmt_seconds, load_token_mix,
+                                       parse_recorded)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m atom_like.zoo.train_target", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="folder from build_data (tokenizer/, shard sets, heldout)")
     ap.add_argument("--mix", default="sharegpt,gsm8k*3", help="shard sets to train on, SET[*N] (N = repeats)")
-    ap.add_argument("--out", required=True, help="folder for the exported tiny-kimi model")
-    ap.add_argument("--log-dir", default=None, help="folder for logs and plots (default: OUT-logs)")
-    ap.add_argument("--minutes", type=float, default=0.0)
-    ap.add_argument("--max-steps", type=int, default=0)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
+    add_run_args(ap, batch_size=64, lr=3e-3, weight_decay=0.1, log_every=50)
     ap.add_argument("--assistant-only", action="store_true", help="loss only on assistant tokens")
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="aux-loss-free balancing step (DeepSeek-V3)")
     ap.add_argument("--experts-impl", default="auto", help="transformers experts implementation, or 'auto' to time them")
@@ -55,12 +49,7 @@ def parse_args(argv=None):
     ap.add_argument("--eval-prompts", default=None, help="eval_prompts.jsonl: greedy samples on the first prompts of each set")
     ap.add_argument("--samples", type=int, default=2, help="samples per prompt set")
     ap.add_argument("--config", default="{}", help="JSON overrides of tiny_kimi.TEXT_DEFAULTS")
-    ap.add_argument("--log-every", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in zoo.json as the reproducing command
-    return args
+    return parse_recorded(ap, argv)
 
 
 class RouterBalancer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -90,6 +91,30 @@ class TrainLog:
         fig.tight_layout()
         fig.savefig(png, dpi=90)
         plt.close(fig)
+
+
+def add_run_args(ap, *, batch_size: int, lr: float, weight_decay: float, log_every: int):
+    """The arguments both trainers take: output, budget, batch shape, optimiser, logging, device."""
+    import torch
+
+    ap.add_argument("--out", required=True, help="folder for the model (the shippable folder)")
+    ap.add_argument("--log-dir", default=None, help="folder for logs and plots (default: OUT-logs)")
+    ap.add_argument("--minutes", type=float, default=0.0, help="training time budget (evaluation not included)")
+    ap.add_argument("--max-steps", type=int, default=0)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch-size", type=int, default=batch_size)
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--weight-decay", type=float, default=weight_decay)
+    ap.add_argument("--log-every", type=int, default=log_every)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parse_recorded(ap, argv):
+    """Parse, keeping the argument list: zoo.json records it as the command that reproduces the run."""
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
 
 
 def parse_data_specs(specs: list[str]) -> list[tuple[Path, str, int]]:

@@ -60,8 +60,8 @@ def planned_seconds(stage: str) -> float:
         "tiny-regen": 60 * float(env("ZOO_TINY_REGEN_MIN", "0.5")) + 20,
         "tiny-drafts": (1 if parallel else len(TINY_DRAFTS)) * (60 * float(env("ZOO_TINY_DRAFT_MIN", "2")) + 75) + 30,
         "smol-convert": 60,
-        "smol-regen": 60 * float(env("ZOO_SMOL_REGEN_MIN", "1.5")) + 30,
-        "smol-draft": 60 * float(env("ZOO_SMOL_DRAFT_MIN", "6")) + 100,
+        "smol-regen": 60 * float(env("ZOO_SMOL_REGEN_MIN", "1")) + 30,
+        "smol-draft": 60 * float(env("ZOO_SMOL_DRAFT_MIN", "5")) + 100,
     }[stage]
 
 
@@ -216,12 +216,12 @@ def stage_smol_convert(run: Run):
 
 
 def stage_smol_regen(run: Run):
-    minutes = run.minutes("smol-regen", float(env("ZOO_SMOL_REGEN_MIN", "1.5")))
+    minutes = run.minutes("smol-regen", float(env("ZOO_SMOL_REGEN_MIN", "1")))
     return regen_stage(run, run.find("smollm2-135m"), "smol-regen", minutes, 384, 256)
 
 
 def stage_smol_draft(run: Run):
-    minutes = run.minutes("smol-draft", float(env("ZOO_SMOL_DRAFT_MIN", "6")))
+    minutes = run.minutes("smol-draft", float(env("ZOO_SMOL_DRAFT_MIN", "5")))
     data = [f"{run.stage / 'smollm2'}:sharegpt,gsm8k*2"]
     try:
         data.append(f"{run.find('smol-regen')}:regen*2")
