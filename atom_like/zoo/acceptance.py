@@ -41,19 +41,19 @@ def draft_hits(target, draft: Eagle3Draft, seqs: list[list[int]], kmax: int, bat
     out = []
     for lo in range(0, len(seqs), batch_size):
         chunk = seqs[lo: lo + batch_size]
-        T = max(len(s) for s in chunk)
+        T = max(len(seq) for seq in chunk)
         ids = torch.zeros(len(chunk), T, dtype=torch.long, device=device)
-        for b, s in enumerate(chunk):  # right padding: causal rows before it are unaffected
-            ids[b, : len(s)] = torch.tensor(s, device=device)
+        for b, seq in enumerate(chunk):  # right padding: causal rows before it are unaffected
+            ids[b, : len(seq)] = torch.tensor(seq, device=device)
         aux = target_aux(target(input_ids=ids, output_hidden_states=True).hidden_states, draft.aux_ids)
         hits = torch.zeros(len(chunk), kmax, T, dtype=torch.bool, device=device)
-        for s, logits in unroll(draft, ids, aux.to(next(draft.parameters()).dtype), kmax):
+        for step, logits in unroll(draft, ids, aux.to(next(draft.parameters()).dtype), kmax):
             pred = draft.to_target(logits.argmax(-1))
-            hits[:, s, : T - 2 - s] = pred[:, : T - 2 - s] == ids[:, 2 + s:]
-        for b, s in enumerate(chunk):
-            h = hits[b, :, : len(s)].cpu().numpy()
-            for j in range(kmax):  # nothing after the sequence's end can be hit
-                h[j, max(0, len(s) - 2 - j):] = False
+            hits[:, step, : T - 2 - step] = pred[:, : T - 2 - step] == ids[:, 2 + step:]
+        for b, seq in enumerate(chunk):
+            h = hits[b, :, : len(seq)].cpu().numpy()
+            for step in range(kmax):  # nothing after the sequence's end can be hit
+                h[step, max(0, len(seq) - 2 - step):] = False
             out.append(h)
     return out
 

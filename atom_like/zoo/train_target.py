@@ -32,6 +32,7 @@ import torch
 
 from atom_like.zoo import kimi_tokenizer, tiny_kimi
 from atom_like.zoo.shards import PackedWindows, prompt_ids, read_set
+from atom_like.zoo.targets import stop_token_ids
 from atom_like.zoo.train_utils import (Budget, TrainLog, add_run_args, cosine_lr, fmt_seconds, load_token_mix,
                                        parse_recorded)
 
@@ -186,12 +187,10 @@ def train(args) -> dict:
     step, seen, since, loss_sum = 0, 0, 0, torch.zeros((), device=device)
     best = {"loss": math.inf}
     next_eval = 1.0 / max(1, args.evals)
-    heldout = []
     while True:
         done = budget.done(step)
         if budget.progress(step) >= next_eval or done:
             ho_all, ho_asst = heldout_loss(model, ho_tokens, ho_mask, args.seq_len, args.batch_size, device, cuda)
-            heldout.append((step, ho_all))
             log.add(step=step, seconds=round(budget.elapsed(), 1), heldout_loss=ho_all, heldout_assistant_loss=ho_asst)
             print(f"[train_target] step {step} held-out loss {ho_all:.3f} (ppl {math.exp(ho_all):.1f}), "
                   f"assistant {ho_asst:.3f} (ppl {math.exp(ho_asst):.1f})", flush=True)
@@ -220,7 +219,7 @@ def train(args) -> dict:
     train_seconds = budget.elapsed()
     model.load_state_dict(best.pop("state"))
     model.eval()
-    stop = sorted({tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id})
+    stop = stop_token_ids(data / "tokenizer", tok)
     summary = {
         "model": "tiny-kimi", "params": n_params, "data": mix, "steps": step, "tokens": seen, "epochs": round(seen / len(tokens), 2),
         "train_seconds": round(train_seconds, 1), "device": torch.cuda.get_device_name() if cuda else "cpu",
