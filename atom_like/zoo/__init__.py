@@ -1,0 +1,11 @@
+"""The model zoo: one real pretrained target (SmolLM2-135M), one Kimi-architecture target trained
+from scratch (tiny-kimi), and EAGLE3 drafts for both, plus the tools that build them.
+
+Python API: ``resolve(name) -> Path`` (converts SmolLM2 on demand, else says how to get the
+model), ``MODELS`` (the list). Command line: ``python -m atom_like.zoo list|prepare NAME``.
+Training tools: ``atom_like.zoo.build_data``, ``.train_target``, ``.train_eagle3``, ``.regenerate``.
+"""
+
+from atom_like.zoo.registry import MODELS, cache_root, locate, prepare, resolve
+
+__all__ = ["MODELS", "cache_root", "locate", "prepare", "resolve"]
