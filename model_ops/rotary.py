@@ -33,7 +33,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         if inv_freq.numel() * 2 != rotary_dim:
             raise ValueError(f"rope frequencies cover {inv_freq.numel() * 2} dims but the rotary dim is {rotary_dim}")
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # transformers computes scaled frequencies on the CPU; models are built under a device context
+        self.register_buffer("inv_freq", inv_freq.float().to(torch.get_default_device()), persistent=False)
         self.attention_factor = float(attention_factor)
         self.interleaved = interleaved
 

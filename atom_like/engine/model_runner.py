@@ -41,6 +41,8 @@ class ModelRunner:
         """`proposer_factory` replaces the EAGLE3 proposer (tests and benchmarks use an oracle)."""
         self.args, self.device, self.dtype = args, device, dtype
         self.block_size, self.max_model_len = args.block_size, max_model_len
+        # GPU memory other live objects of this process hold (another engine, a reference model)
+        self.baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model: CausalLM = build_model(target_model_class(hf_config), text_config(hf_config), dtype, device)
         load_weights(self.model, iter_checkpoint(args.model), self.model.weight_map())
         self.vocab_size = self.model.config.vocab_size
@@ -107,8 +109,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_gpu_blocks(self) -> int:
-        """Blocks that fit in `gpu_memory_utilization` of the GPU after weights and the peak
-        activations of the largest step (measured by running it on a temporary pool)."""
+        """Blocks that fit in `gpu_memory_utilization` of the GPU after this engine's weights and
+        the peak activations of its largest step (measured by running it on a temporary pool),
+        and in what is actually free, keeping room for those activations to come back."""
         num_tokens = min(self.args.max_num_batched_tokens, self.args.max_num_seqs * self.max_model_len)
         num_seqs = min(self.args.max_num_seqs, num_tokens)
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
@@ -124,13 +127,18 @@ class ModelRunner:
         self.model.compute_logits(hidden[step.logits_rows]).softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - temp_blocks * self.block_bytes
+        del step, hidden
         self._allocate_kv_cache(0)  # rebinding every layer to an empty pool frees the temporary one
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * self.args.gpu_memory_utilization - peak - outside_torch
-        logger.info("GPU memory: total %.1f GiB, peak use %.1f GiB, outside torch %.1f GiB, KV budget %.1f GiB",
-                    total / 2**30, peak / 2**30, outside_torch / 2**30, budget / 2**30)
+        resident = torch.cuda.memory_allocated(self.device)
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
+        activations = peak - resident
+        budget = min(total * self.args.gpu_memory_utilization - (peak - self.baseline_bytes) - outside_torch,
+                     free - activations - (256 << 20))
+        logger.info("GPU memory: total %.1f GiB, this engine's peak %.1f GiB, outside torch %.1f GiB, "
+                    "free %.1f GiB -> KV budget %.1f GiB", total / 2**30, (peak - self.baseline_bytes) / 2**30,
+                    outside_torch / 2**30, free / 2**30, budget / 2**30)
         return max(0, int(budget // self.block_bytes) - 1)  # one block is the graphs' scratch
 
     # ------------------------------------------------------------------ one step
