@@ -49,6 +49,7 @@ class Proposer(ABC):
 
     num_spec_tokens: int
     capturable: bool = False
+    forced_acceptance: int | None = None  # benchmarks: accept this many drafts whatever they are
 
     def kv_builders(self) -> list[KVCacheBuilder]:
         """Builders for the draft's own KV; the runner adds them to the pool."""

@@ -27,13 +27,17 @@ class Verified:
 
 
 def verify(logits: torch.Tensor, drafts: list[list[int]], st: SamplingTensors, shared: torch.Generator,
-           draft_probs: torch.Tensor | None = None) -> Verified:
+           draft_probs: torch.Tensor | None = None, forced_acceptance: int | None = None) -> Verified:
     """`logits` [R, V] holds len(drafts[b]) + 1 rows per sequence b, in order; `st` has one
     entry per row (a sequence's settings and generator repeated over its rows); `draft_probs`,
-    when given, has one row per draft token."""
+    when given, has one row per draft token. `forced_acceptance` m (benchmarks only, like ATOM's
+    --spec-decode-acceptance-length) accepts the first m drafts whatever they are and emits the
+    target's argmax after them: a speed curve at exact acceptance lengths, not a lossless output."""
     sizes = [len(d) + 1 for d in drafts]
     if sum(sizes) != logits.shape[0]:
         raise ValueError(f"logits has {logits.shape[0]} rows for {len(drafts)} sequences needing {sum(sizes)}")
+    if forced_acceptance is not None:
+        return _verify_forced(logits.argmax(dim=-1).tolist(), drafts, forced_acceptance)
     if bool(st.greedy.all()) and draft_probs is None:
         return _verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
 
@@ -77,6 +81,16 @@ def _verify_greedy(argmax: list[int], drafts: list[list[int]]) -> Verified:
         a = 0
         while a < len(d) and d[a] == argmax[row + a]:
             a += 1
+        num_accepted.append(a)
+        tokens.append(list(d[:a]) + [argmax[row + a]])
+        row += len(d) + 1
+    return Verified(num_accepted, tokens)
+
+
+def _verify_forced(argmax: list[int], drafts: list[list[int]], m: int) -> Verified:
+    num_accepted, tokens, row = [], [], 0
+    for d in drafts:
+        a = min(m, len(d))
         num_accepted.append(a)
         tokens.append(list(d[:a]) + [argmax[row + a]])
         row += len(d) + 1

@@ -242,3 +242,24 @@ def test_bad_drafts_are_named(target, make_eagle3_llama, tmp_path, case, match):
 def test_bad_spec_flags(target, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLMEngine(target, **kwargs)
+
+
+def test_forced_acceptance_for_benchmarks(target, make_eagle3_llama):
+    """Benchmarks force an acceptance length with a real draft running; the counts are exact."""
+    import dataclasses
+
+    from atom_like.engine.speculative import build_eagle3_proposer
+    from spec_decode.testing import ForcedAcceptance
+
+    draft = make_eagle3_llama(target)
+
+    def factory(runner):
+        args = dataclasses.replace(runner.args, method="eagle3", draft_model=draft, num_speculative_tokens=3)
+        return ForcedAcceptance(build_eagle3_proposer(args, runner.model, runner.dtype, runner.device), 2)
+
+    engine = LLMEngine(target, max_model_len=160, proposer_factory=factory)
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=13, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.token_ids) == 13 for o in outs)
+    assert engine.spec_stats.acceptance_rate == pytest.approx(2 / 3)
+    assert engine.spec_stats.mean_acceptance_length == pytest.approx(3.0)
+    assert_no_leak(engine)

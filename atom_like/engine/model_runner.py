@@ -6,6 +6,7 @@ extra block beyond those the block manager hands out serves as scratch for padde
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -41,6 +42,9 @@ class ModelRunner:
         """`proposer_factory` replaces the EAGLE3 proposer (tests and benchmarks use an oracle)."""
         self.args, self.device, self.dtype = args, device, dtype
         self.block_size, self.max_model_len = args.block_size, max_model_len
+        if device.type == "cuda":
+            gc.collect()  # engines dropped by the caller die in reference cycles: free them before measuring
+            torch.cuda.empty_cache()
         # GPU memory other live objects of this process hold (another engine, a reference model)
         self.baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model: CausalLM = build_model(target_model_class(hf_config), text_config(hf_config), dtype, device)
@@ -167,7 +171,8 @@ class ModelRunner:
         items = [batch.seqs[i] for i in sampling]
         rows = [step.rows_per_seq[i] for i in sampling]
         st = row_sampling_tensors([item.seq for item in items], rows, self.vocab_size, logits.device)
-        verified = verify(logits, [item.spec_token_ids for item in items], st, self.generator)
+        forced = self.proposer.forced_acceptance if self.proposer else None
+        verified = verify(logits, [item.spec_token_ids for item in items], st, self.generator, forced_acceptance=forced)
         starts = list(itertools.accumulate([0] + rows[:-1]))
         row_of_token = [start + j for start, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
         seq_of_token = [b for b, toks in enumerate(verified.token_ids) for _ in toks]
