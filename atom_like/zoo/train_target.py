@@ -133,12 +133,13 @@ def samples(model, tok, prompt_file, per_set: int, stop, device) -> list[dict]:
     from atom_like.zoo.regenerate import greedy_generate
 
     out = []
+    was_training = model.training
     model.eval()
     for name, chats in load_eval_prompts(prompt_file, per_set).items():
         prompts = [prompt_ids(tok, c) for c in chats]
         for chat, reply in zip(chats, greedy_generate(model, prompts, 96, stop, tok.pad_token_id, 8)):
             out.append({"set": name, "prompt": chat[-1]["content"][:300], "reply": tok.decode(reply)})
-    model.train()
+    model.train(was_training)
     return out
 
 
@@ -248,7 +249,7 @@ def train(args) -> dict:
 def check_export(model, out: Path) -> dict:
     """Reload the export two ways and compare logits with the trained model whose weights are rounded
     to bf16 as exported (the router bias is exported in fp32, so it stays exact)."""
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).eval()  # eval: the router-balancing hooks only count in training mode
     for p in ref.parameters():
         p.data = p.data.to(torch.bfloat16).float()
     ids = torch.randint(0, ref.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
