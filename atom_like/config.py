@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig
 
 from atom_like.models.config_aliases import register_config_aliases
@@ -128,7 +130,21 @@ def load_model_config(path: str, trust_remote_code: bool = False) -> PretrainedC
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path!r} is not a checkpoint folder: it has no config.json")
     register_config_aliases()
-    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except StrictDataclassError as e:  # transformers' typed fields, e.g. kv_lora_rank "512": say which file
+        raise ValueError(f"{path}/config.json: {e}") from e
+
+
+def require_stated_fields(config: PretrainedConfig, path: str, fields: tuple[str, ...], needed_by: str) -> None:
+    """Raise, naming the field, if the checkpoint's config.json leaves out one of `fields`: its
+    config class would fill the gap with a default that describes some other model."""
+    with open(os.path.join(path, "config.json")) as f:
+        stated = json.load(f)
+    for name in fields:
+        if name not in stated:
+            raise ValueError(f"{path}/config.json has no {name}, which {needed_by} needs; {type(config).__name__} "
+                             f"would default it to {getattr(config, name, None)!r}, another model's value")
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -62,10 +63,19 @@ class Eagle3Config:
 
 
 class Eagle3Draft(nn.Module, ABC):
-    """Base of the EAGLE3 draft models; a subclass supplies `midlayer` (its decoder layer)."""
+    """Base of the EAGLE3 draft models; a subclass supplies its one decoder layer
+    (`decoder_layer`) and its checkpoint names (`weight_map`)."""
+
+    # Fields config.json must state itself (the loader refuses a checkpoint without them): a
+    # config class fills gaps with defaults that describe another model (DeepseekV3Config's are
+    # DeepSeek-V3 671B's MLA dims).
+    stated_config_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
+        if getattr(config, "num_hidden_layers", 1) != 1:
+            raise ValueError(f"draft config: num_hidden_layers is {config.num_hidden_layers}; "
+                             "EAGLE3 drafts have exactly one decoder layer")
         self.config = config
         self.eagle = Eagle3Config.from_hf(config)
         hidden = config.hidden_size
@@ -119,6 +129,10 @@ class Eagle3Draft(nn.Module, ABC):
     def share_target_weights(self, missing: Sequence[str], embed: torch.Tensor, head: torch.Tensor) -> None:
         """Borrow the target's embedding / lm_head for the ones the draft checkpoint lacks."""
         if "embed_tokens.weight" in missing:
+            if embed.shape != self.embed_tokens.weight.shape:
+                raise ValueError(f"the draft checkpoint has no embed_tokens.weight and its embedding "
+                                 f"{tuple(self.embed_tokens.weight.shape)} (vocab_size, hidden_size) differs "
+                                 f"from the target's {tuple(embed.shape)}")
             self.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
         if "lm_head.weight" in missing:
             if self.eagle.draft_vocab_size != head.shape[0]:

@@ -140,6 +140,91 @@ def make_eagle3_llama(tmp_path_factory):
     return make
 
 
+def write_eagle3_mla_draft(path: str, target_path: str, *, seed: int = 0, aux_layer_ids=(0, 1, 2),
+                           draft_vocab_size: int | None = None, draft_vocab_ids=None, fc_norm: bool = False,
+                           legacy_aux_norm: bool = False, norm_output: bool = False, fused_qkv_a: bool = False,
+                           rms_norm_eps: float = 1e-5) -> str:
+    """A random-init Eagle3DeepseekV2ForCausalLM checkpoint in the public kimi-k2.x-eagle3-mla layout
+    (unprefixed keys, `layers.0.*`, config in the pre-transformers-5 spelling with model_type
+    kimi_k2), written tensor by tensor, independently of the engine's model code. Its MLA dims
+    differ from the tiny targets' (so its latent rows are narrower than the target's), and its
+    YaRN has mscale_all_dim (so the softmax scale carries mscale^2). `fused_qkv_a` ships
+    q_a_proj and kv_a_proj_with_mqa as sglang's fused_qkv_a_proj_with_mqa (q rows first).
+    `draft_vocab_ids`: the target ids a smaller draft vocabulary covers (default: random ones).
+    fc_norm weights are drawn last, so drafts of one seed differ only in what their flags add."""
+    from safetensors.torch import save_file
+
+    target = json.load(open(os.path.join(target_path, "config.json")))
+    target = target.get("text_config", target)
+    h, vocab = target["hidden_size"], target["vocab_size"]
+    heads, q_lora, kv_lora, nope, rope, v_dim, inter = 2, 32, 16, 8, 8, 12, 2 * h
+    dv = len(draft_vocab_ids) if draft_vocab_ids is not None else draft_vocab_size or vocab
+    num_aux = len(aux_layer_ids)
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, std=0.15):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    a = "layers.0.self_attn."
+    t = {"embed_tokens.weight": w(vocab, h), "fc.weight": w(h, num_aux * h),
+         "layers.0.input_layernorm.weight": norm(h), "layers.0.hidden_norm.weight": norm(h),
+         "layers.0.post_attention_layernorm.weight": norm(h),
+         f"{a}q_a_proj.weight": w(q_lora, 2 * h), f"{a}q_a_layernorm.weight": norm(q_lora),
+         f"{a}q_b_proj.weight": w(heads * (nope + rope), q_lora),
+         f"{a}kv_a_proj_with_mqa.weight": w(kv_lora + rope, 2 * h),
+         f"{a}kv_a_layernorm.weight": norm(kv_lora), f"{a}kv_b_proj.weight": w(heads * (nope + v_dim), kv_lora),
+         f"{a}o_proj.weight": w(h, heads * v_dim), "layers.0.mlp.gate_proj.weight": w(inter, h),
+         "layers.0.mlp.up_proj.weight": w(inter, h), "layers.0.mlp.down_proj.weight": w(h, inter),
+         "norm.weight": norm(h), "lm_head.weight": w(dv, h)}
+    if fused_qkv_a:
+        t[f"{a}fused_qkv_a_proj_with_mqa.weight"] = torch.cat([t.pop(f"{a}q_a_proj.weight"),
+                                                              t.pop(f"{a}kv_a_proj_with_mqa.weight")])
+    if dv != vocab:
+        chosen = (torch.tensor(sorted(draft_vocab_ids)) if draft_vocab_ids is not None
+                  else torch.randperm(vocab, generator=g)[:dv].sort().values)
+        t["d2t"] = chosen - torch.arange(dv)
+        t["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, chosen, True)
+    if fc_norm or legacy_aux_norm:
+        t.update({f"fc_norm.{i}.weight": norm(h) for i in range(num_aux)})
+    os.makedirs(path, exist_ok=True)
+    save_file(t, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "hidden_size": h,
+              "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+              "num_key_value_heads": heads, "q_lora_rank": q_lora, "kv_lora_rank": kv_lora, "qk_nope_head_dim": nope,
+              "qk_rope_head_dim": rope, "v_head_dim": v_dim, "hidden_act": "silu", "rms_norm_eps": rms_norm_eps,
+              "rope_theta": 10000.0,
+              "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+              "max_position_embeddings": target.get("max_position_embeddings", 512), "vocab_size": vocab,
+              "draft_vocab_size": dv, "target_hidden_size": h, "tie_word_embeddings": False,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True}}
+    if fc_norm:
+        config["fc_norm"] = True
+    if legacy_aux_norm:
+        config["use_aux_norm"] = True
+    if norm_output:
+        config["norm_output"] = True
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_eagle3_mla(tmp_path_factory):
+    """Factory: make_eagle3_mla(target_path, **options of write_eagle3_mla_draft) -> folder (cached)."""
+    cache: dict[str, str] = {}
+
+    def make(target_path: str, **options) -> str:
+        key = json.dumps([target_path, sorted(options.items())], default=str)
+        if key not in cache:
+            cache[key] = write_eagle3_mla_draft(str(tmp_path_factory.mktemp("eagle3_mla")), target_path, **options)
+        return cache[key]
+
+    return make
+
+
 # MLA + MoE with every routing feature on: groups (topk_group < n_group), a q LoRA, YaRN with
 # mscale / mscale_all_dim, a dense first layer; callers override per variant.
 TINY_DEEPSEEK = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,

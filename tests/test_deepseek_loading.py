@@ -65,6 +65,21 @@ def test_stacked_expert_tensors_load_like_per_expert_ones(make_deepseek, tmp_pat
     assert_same_logits(logits(path), logits(src))
 
 
+def test_fused_q_kv_down_projection_loads_like_the_separate_ones(make_deepseek, tmp_path):
+    """sglang-style checkpoints fuse q_a_proj and kv_a_proj_with_mqa (q rows first)."""
+    src = make_deepseek("v3")
+
+    def fuse(tensors):
+        for q_name in [k for k in tensors if k.endswith("self_attn.q_a_proj.weight")]:
+            kv_name = q_name.replace("q_a_proj", "kv_a_proj_with_mqa")
+            fused = torch.cat([tensors.pop(q_name), tensors.pop(kv_name)])
+            tensors[q_name.replace("q_a_proj", "fused_qkv_a_proj_with_mqa")] = fused
+        return tensors
+
+    path = rewrite(src, tmp_path / "fused", edit_tensors=fuse)
+    assert_same_logits(logits(path), logits(src))
+
+
 def test_missing_expert_is_named(make_deepseek, tmp_path):
     def drop(tensors):
         tensors.pop("model.layers.2.mlp.experts.5.up_proj.weight")

@@ -212,6 +212,7 @@ def draft_with(make_eagle3_llama, target, tmp_path, edit_config=None, drop=None,
     ("d2t", "no d2t mapping"),
     ("aux", r"fc reads 4 aux hidden states but eagle_aux_hidden_state_layer_ids gives \[2, 4, 5\]"),
     ("layers", "exactly one decoder layer"),
+    ("embed", r"no embed_tokens.weight and its embedding \(128, 32\).*differs from the target's \(128, 64\)"),
 ])
 def test_bad_drafts_are_named(target, make_eagle3_llama, tmp_path, case, match):
     options, edit, drop = {}, None, None
@@ -228,6 +229,8 @@ def test_bad_drafts_are_named(target, make_eagle3_llama, tmp_path, case, match):
         edit = lambda c: c.update(num_aux_hidden_states=4, eagle_config={})  # noqa: E731
     elif case == "layers":
         edit = lambda c: c.update(num_hidden_layers=2)  # noqa: E731
+    elif case == "embed":  # a draft narrower than the target cannot borrow the target's embedding
+        options = dict(hidden_size=32, with_embed=False)
     path = draft_with(make_eagle3_llama, target, tmp_path, edit, drop, **options)
     with pytest.raises(ValueError, match=match):
         LLMEngine(target, max_model_len=160, method="eagle3", draft_model=path)

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from atom_like.config import EngineArgs, load_model_config
+from atom_like.config import EngineArgs, load_model_config, require_stated_fields
 from atom_like.loader.weights import checkpoint_keys, iter_checkpoint, load_weights
 from atom_like.models.base import CausalLM, Eagle3Target
 from atom_like.models.registry import build_model, draft_model_class
@@ -20,7 +20,9 @@ def build_eagle3_proposer(args: EngineArgs, target: CausalLM, dtype: torch.dtype
     if not isinstance(target, Eagle3Target):
         raise ValueError(f"{type(target).__name__} cannot serve as an EAGLE3 target (no aux hidden-state capture)")
     config = load_model_config(args.draft_model, args.trust_remote_code)
-    draft = build_model(draft_model_class(config), config, dtype, device)
+    cls = draft_model_class(config)
+    require_stated_fields(config, args.draft_model, cls.stated_config_fields, cls.__name__)
+    draft = build_model(cls, config, dtype, device)
     eagle, tcfg = draft.eagle, target.config
     if eagle.target_hidden_size != tcfg.hidden_size:
         raise ValueError(f"draft target_hidden_size {eagle.target_hidden_size} != target hidden_size {tcfg.hidden_size}")

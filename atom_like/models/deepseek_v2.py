@@ -21,7 +21,7 @@ from model_ops.attention.metadata import AttentionMetadata
 from model_ops.attention.mla import MLAAttention
 from model_ops.embed_head import LMHead, VocabEmbedding
 from model_ops.layernorm import RMSNorm
-from model_ops.linear import Linear
+from model_ops.linear import Linear, MergedLinear
 from model_ops.moe import FusedExperts, GatingConfig, TopkRouter, expert_weight_rule
 from model_ops.rotary import RotaryEmbedding
 
@@ -30,12 +30,23 @@ logger = logging.getLogger(__name__)
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
+MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
 def check_config(config: PretrainedConfig) -> None:
     """Fail early, naming the field, on configs this MLA + MoE model cannot run."""
-    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        if not getattr(config, name, None):
-            raise ValueError(f"{type(config).__name__} has no {name}: DeepSeek-V2/V3 attention is MLA and needs "
+    name = type(config).__name__
+    for field in MLA_DIMS:
+        if getattr(config, field, None) is None:
+            raise ValueError(f"{name} has no {field}: DeepSeek-V2/V3 attention is MLA and needs "
                              f"kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim in config.json")
+    for field in (*MLA_DIMS, "q_lora_rank", "num_attention_heads"):
+        value = getattr(config, field, None)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise ValueError(f"{name}: {field} must be a positive integer (null for q_lora_rank: no q LoRA); "
+                             f"got {value!r}")
+    if config.qk_rope_head_dim % 2:
+        raise ValueError(f"{name}: qk_rope_head_dim {config.qk_rope_head_dim} is odd; RoPE rotates pairs of dims")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
 
@@ -53,41 +64,61 @@ def mla_softmax_scale(config: PretrainedConfig) -> float:
     return scale
 
 
-class DeepseekV2Attention(MLAAttention):
-    """MLA projections around the cached core. q: q_a_proj -> q_a_layernorm -> q_b_proj (or one
-    q_proj when q_lora_rank is None); kv: kv_a_proj_with_mqa -> [c_kv | k_pe], c_kv through
-    kv_a_layernorm. `input_size` differs from hidden_size only for EAGLE3 MLA drafts (2H)."""
+FUSED_QKV_A = "fused_qkv_a_proj_with_mqa"
 
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, input_size: int | None = None):
+
+class DeepseekV2Attention(MLAAttention):
+    """MLA projections around the cached core. With a q LoRA, q_a_proj and kv_a_proj_with_mqa read
+    the same input, so they are one GEMM: `fused_qkv_a_proj_with_mqa` (q rows first, as sglang
+    and vLLM fuse them; `mla_packed_weights` maps the separate checkpoint tensors onto it), then
+    q_a_layernorm -> q_b_proj and [c_kv | k_pe] with c_kv through kv_a_layernorm. Without a q
+    LoRA, q_proj and kv_a_proj_with_mqa stay separate.
+
+    `input_size` differs from hidden_size only for EAGLE3 MLA drafts (2H). `latent_norm_eps` is
+    the eps of q_a_layernorm / kv_a_layernorm: transformers (and DeepSeek's release code) keep
+    the default 1e-6 there, the EAGLE3 MLA drafts' trainers and servers use rms_norm_eps."""
+
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, input_size: int | None = None,
+                 latent_norm_eps: float = 1e-6):
         num_heads = config.num_attention_heads
         super().__init__(num_heads, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
                          config.v_head_dim, mla_softmax_scale(config))
         width = input_size or config.hidden_size
         bias = getattr(config, "attention_bias", False)
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        kv_a_size = config.kv_lora_rank + config.qk_rope_head_dim
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         if self.q_lora_rank:
-            self.q_a_proj = Linear(width, self.q_lora_rank, bias=bias)
-            # transformers (and DeepSeek's release code) keep the default eps 1e-6 here, not rms_norm_eps
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank)
+            self.fused_qkv_a_proj_with_mqa = MergedLinear(width, [self.q_lora_rank, kv_a_size], bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, latent_norm_eps)
             self.q_b_proj = Linear(self.q_lora_rank, num_heads * qk_head_dim)
         else:
             self.q_proj = Linear(width, num_heads * qk_head_dim)
-        self.kv_a_proj_with_mqa = Linear(width, config.kv_lora_rank + config.qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank)
+            self.kv_a_proj_with_mqa = Linear(width, kv_a_size, bias=bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, latent_norm_eps)
         self.o_proj = Linear(num_heads * config.v_head_dim, config.hidden_size, bias=bias)
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a, kv_a = self.fused_qkv_a_proj_with_mqa.split(self.fused_qkv_a_proj_with_mqa(x))
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
-            q = self.q_proj(x)
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         q_nope, q_pe = q.view(x.shape[0], self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         q_pe = self.rotary.apply(q_pe, *cos_sin)
         k_pe = self.rotary.apply(k_pe.unsqueeze(1), *cos_sin).squeeze(1)
         return self.o_proj(self.attend(q_nope, q_pe, self.kv_a_layernorm(latent), k_pe, meta))
+
+
+def mla_packed_weights(config: PretrainedConfig) -> dict[str, tuple[str, int]]:
+    """WeightMap.packed entries of DeepseekV2Attention and the dense MLPs: separate checkpoint
+    projections as shards of the fused ones (a checkpoint's own fused tensor loads whole)."""
+    packed = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    if getattr(config, "q_lora_rank", None):
+        packed.update(q_a_proj=(FUSED_QKV_A, 0), kv_a_proj_with_mqa=(FUSED_QKV_A, 1))
+    return packed
 
 
 class DeepseekV2MoE(nn.Module):
@@ -163,8 +194,7 @@ class DeepseekV2ForCausalLM(Eagle3TargetMixin, CausalLM):
         why = (f"multi-token-prediction layers (num_nextn_predict_layers={num_mtp}: layers {num_layers}.."
                f"{num_layers + num_mtp - 1}; not used for EAGLE3)")
         skip += [(f"model.layers.{num_layers + i}.", why) for i in range(num_mtp)]
-        packed = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-        return WeightMap(rules=(expert_weight_rule,), packed=packed, skip=tuple(skip))
+        return WeightMap(rules=(expert_weight_rule,), packed=mla_packed_weights(self.config), skip=tuple(skip))
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -24,13 +24,16 @@ DRAFT_OPTIONAL = ("embed_tokens.weight", "lm_head.weight")
 
 
 class Eagle3LlamaLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding | None = None,
+                 self_attn: nn.Module | None = None):
+        """`rotary` / `self_attn` (reading the 2H-wide input) replace Llama's: the MLA draft reuses
+        this block with DeepSeek MLA, as DeepSeek reuses LlamaDecoderLayer."""
         super().__init__()
         hidden = config.hidden_size
-        self.rotary = RotaryEmbedding(config, llama_head_dim(config))
+        self.rotary = RotaryEmbedding(config, llama_head_dim(config)) if rotary is None else rotary
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, self.rotary, input_size=2 * hidden)
+        self.self_attn = LlamaAttention(config, self.rotary, input_size=2 * hidden) if self_attn is None else self_attn
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.mlp = LlamaMLP(hidden, config.intermediate_size, getattr(config, "mlp_bias", False))
 
@@ -44,9 +47,6 @@ class Eagle3LlamaLayer(nn.Module):
 class Eagle3LlamaForCausalLM(Eagle3Draft):
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
-        if getattr(config, "num_hidden_layers", 1) != 1:
-            raise ValueError(f"draft config: num_hidden_layers is {config.num_hidden_layers}; "
-                             "EAGLE3 drafts have exactly one decoder layer")
         self.midlayer = Eagle3LlamaLayer(config)
 
     def decoder_layer(self, embeds, hidden, positions, meta):

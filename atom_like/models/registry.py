@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 from atom_like.models.base import CausalLM
 from atom_like.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from atom_like.models.eagle3_llama import Eagle3LlamaForCausalLM
+from atom_like.models.eagle3_mla import Eagle3DeepseekV2ForCausalLM
 from atom_like.models.kimi_k25 import KimiK25ForConditionalGeneration
 from atom_like.models.llama import LlamaForCausalLM
 from spec_decode.eagle3 import Eagle3Draft
@@ -28,6 +29,7 @@ TARGET_MODELS: dict[str, type[CausalLM]] = {
 DRAFT_MODELS: dict[str, type[Eagle3Draft]] = {
     "LlamaForCausalLMEagle3": Eagle3LlamaForCausalLM,  # lightseekorg / SpecForge
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,  # vLLM's name for the same layout
+    "Eagle3DeepseekV2ForCausalLM": Eagle3DeepseekV2ForCausalLM,  # MLA drafts (kimi-k2.x-eagle3[.1]-mla)
 }
 
 
