@@ -100,7 +100,31 @@ def engine_decode(engine, batch_prompts: list[list[int]], max_tokens: int) -> fl
     return len(batch_prompts) * (max_tokens - 1) / (time.perf_counter() - start)
 
 
-def bench_engine(path: str, batches: list[int], prompt_len: int, max_tokens: int, eager: bool) -> list[dict]:
+def decode_step_bytes(engine, batch: int, context: int, top_k: int) -> float:
+    """The fewest bytes one decode step must read: every weight it uses once (the embedding
+    table only for its `batch` rows unless it doubles as the LM head; of the routed experts,
+    the expected number a batch touches under uniform top-k routing, E * (1 - (1 - k/E)^batch))
+    plus each sequence's KV at `context` tokens."""
+    from model_ops.moe import FusedExperts
+
+    model = engine.runner.model
+    embed = model.model.embed_tokens.weight
+    total = 0.0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        module = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, FusedExperts):
+            e = module.num_experts
+            nbytes *= (1 - (1 - top_k / e) ** batch)
+        elif p is embed and p is not model.lm_head.weight:
+            nbytes = batch * p.shape[1] * p.element_size()
+        total += nbytes
+    kv_per_token = engine.runner.block_bytes / engine.runner.block_size
+    return total + batch * context * kv_per_token
+
+
+def bench_engine(path: str, batches: list[int], prompt_len: int, max_tokens: int, eager: bool,
+                 copy_gbps: float) -> list[dict]:
     from atom_like import LLMEngine
     from model_ops.moe import FusedExperts
 
@@ -114,8 +138,11 @@ def bench_engine(path: str, batches: list[int], prompt_len: int, max_tokens: int
         batch_prompts = prompts(batch, prompt_len, engine.runner.vocab_size)
         engine_decode(engine, batch_prompts, max_tokens)  # warm-up
         tps = engine_decode(engine, batch_prompts, max_tokens)
+        top_k = getattr(model.config, "num_experts_per_tok", 0) or 0
+        roofline_ms = decode_step_bytes(engine, batch, prompt_len + max_tokens // 2, top_k) / copy_gbps / 1e6
         rows.append(dict(engine="atom_like", mode="eager" if eager else "graphs", batch=batch, tokens_per_s=tps,
-                         attention_backends=backends, experts_impl=experts))
+                         step_ms=1e3 * batch / tps, roofline_ms=roofline_ms, attention_backends=backends,
+                         experts_impl=experts))
     del engine, model
     gc.collect()
     torch.cuda.empty_cache()
@@ -161,14 +188,18 @@ def bench_transformers(path: str, batches: list[int], prompt_len: int, max_token
 
 def markdown(results: dict, device: str, args) -> str:
     lines = [f"Decode tokens/s, bf16, {device}; prompt {args.prompt_len} tokens, {args.max_tokens} generated "
-             "(decode steps only)", ""]
-    for name, res in results.items():
+             f"(decode steps only). Roofline: the bytes a step must read (weights it uses, expected experts "
+             f"touched, KV) / the copy bandwidth measured in this run ({results['copy_gbps']:.0f} GB/s).", ""]
+    for name, res in results["models"].items():
         lines += [f"### {name}: {res['params'] / 1e9:.2f}B parameters", "",
-                  "| engine | mode | batch | tokens/s | vs transformers |", "|---|---|---|---|---|"]
+                  "| engine | mode | batch | tokens/s | vs transformers | step ms | roofline ms | roofline / step |",
+                  "|---|---|---|---|---|---|---|---|"]
         base = {r["batch"]: r["tokens_per_s"] for r in res["rows"] if r["engine"] == "transformers"}
         for r in res["rows"]:
             ratio = f"{r['tokens_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
-            lines.append(f"| {r['engine']} | {r['mode']} | {r['batch']} | {r['tokens_per_s']:.1f} | {ratio} |")
+            roof = (f"{r['step_ms']:.2f} | {r['roofline_ms']:.3f} | {r['roofline_ms'] / r['step_ms']:.0%}"
+                    if "roofline_ms" in r else "- | - | -")
+            lines.append(f"| {r['engine']} | {r['mode']} | {r['batch']} | {r['tokens_per_s']:.1f} | {ratio} | {roof} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -176,7 +207,8 @@ def markdown(results: dict, device: str, args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="deepseek,llama")
-    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--hf-batch-sizes", default="1,32", help="transformers is slow: fewer batch sizes")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--graphs", choices=["off", "on", "both"], default="both")
@@ -186,15 +218,18 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     modes = {"off": [True], "on": [False], "both": [True, False]}[args.graphs]
     device = torch.cuda.get_device_name()
-    results = {}
+    from bench_kernels import measure_copy_bandwidth
+
+    results = {"copy_gbps": measure_copy_bandwidth()["gbps"], "models": {}}
+    hf_batches = [int(b) for b in args.hf_batch_sizes.split(",")]
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models.split(","):
             path, params = save_random_model(name, folder)
             rows = []
             for eager in modes:
-                rows += bench_engine(path, batches, args.prompt_len, args.max_tokens, eager)
-            rows += bench_transformers(path, batches, args.prompt_len, args.max_tokens)
-            results[name] = dict(params=params, config=MODELS[name]().to_dict(), rows=rows)
+                rows += bench_engine(path, batches, args.prompt_len, args.max_tokens, eager, results["copy_gbps"])
+            rows += bench_transformers(path, hf_batches, args.prompt_len, args.max_tokens)
+            results["models"][name] = dict(params=params, config=MODELS[name]().to_dict(), rows=rows)
     import transformers
 
     meta = dict(device=device, torch=torch.__version__, transformers=transformers.__version__, args=vars(args))
@@ -204,7 +239,7 @@ def main() -> None:
     with open(os.path.join(out_dir, "bench_models.md"), "w") as f:
         f.write(text)
     print(text)
-    print(json.dumps({name: res["rows"] for name, res in results.items()}, indent=1, default=str))
+    print(json.dumps({name: res["rows"] for name, res in results["models"].items()}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""Offline inference: `python -m atom_like.examples.simple_inference --model DIR`.
+"""Offline inference: `python -m atom_like.examples.simple_inference [--model DIR] [engine flags]`.
 
-Applies the tokenizer's chat template when it has one, prints each prompt and completion, and
-the decode throughput.
+With no --model it runs the embedded default, the tiny-kimi target (Kimi-K2.5 architecture,
+shipped in the package) with its EAGLE3 draft at k = 3. --model and --draft-model also take zoo
+names (`python -m atom_like.zoo list`). Applies the tokenizer's chat template when it has one,
+prints each prompt and completion, the throughput and, with a draft, the speculation stats.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 
 from atom_like import EngineArgs, LLMEngine, SamplingParams
 from atom_like.config import add_flag
+from atom_like.zoo import DEFAULT_DRAFT, DEFAULT_TARGET, model_path
 
 PROMPTS = [
     "What is the capital of France?",
@@ -28,6 +31,13 @@ def main(argv: list[str] | None = None) -> None:
     add_flag(parser, "max_tokens", int, 128, "Tokens to generate per prompt.")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.model is None:  # the embedded default: tiny-kimi with its best EAGLE3 draft
+        args.model = DEFAULT_TARGET
+        if args.method is None and args.draft_model is None:
+            args.method, args.draft_model = "eagle3", DEFAULT_DRAFT
+    args.model = model_path(args.model)
+    if args.draft_model is not None:
+        args.draft_model = model_path(args.draft_model)
 
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     tokenizer = engine.tokenizer
@@ -48,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nPrompt: {prompt!r}\nCompletion: {out.text!r}")
     generated = sum(len(o.token_ids) for o in outputs)
     print(f"\n{len(outputs)} requests, {generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s")
+    if engine.spec_stats.num_drafts:
+        print(engine.spec_stats.summary())
 
 
 if __name__ == "__main__":

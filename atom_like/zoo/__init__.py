@@ -6,6 +6,15 @@ model), ``MODELS`` (the list). Command line: ``python -m atom_like.zoo list|prep
 Training tools: ``atom_like.zoo.build_data``, ``.train_target``, ``.train_eagle3``, ``.regenerate``.
 """
 
+import os
+
 from atom_like.zoo.registry import MODELS, cache_root, locate, prepare, resolve
 
-__all__ = ["MODELS", "cache_root", "locate", "prepare", "resolve"]
+__all__ = ["MODELS", "cache_root", "locate", "model_path", "prepare", "resolve"]
+
+DEFAULT_TARGET, DEFAULT_DRAFT = "tiny-kimi", "tiny-kimi-eagle3"  # the embedded default pair
+
+
+def model_path(name_or_dir: str) -> str:
+    """A checkpoint folder as given, else the folder of the zoo model of that name."""
+    return name_or_dir if os.path.isdir(name_or_dir) else str(resolve(name_or_dir))

@@ -1,0 +1,52 @@
+"""bf16 on the GPU: the engine's mean acceptance length for each shipped tiny-kimi draft is within
+1% of the plain eager reference loop's (transformers target + plain-module draft; the zoo's fast
+replay of reference_speculate, which a CPU test checks step for step), over held-out prompts.
+Per-step identity is a CPU/fp32 property (tests/test_zoo_shipped.py): in bf16 the two paths flip
+near-ties differently, so here the comparison is of the mean over ~128 prompts."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from atom_like import LLMEngine, SamplingParams
+from atom_like.zoo import resolve
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+PROMPTS = Path(os.environ.get("ATOM_LIKE_EVAL_PROMPTS", ".stage/eval_prompts.jsonl"))
+K, MAX_NEW = 3, 128
+
+
+@pytest.mark.skipif(not PROMPTS.is_file(), reason=f"held-out prompts not staged at {PROMPTS}")
+@pytest.mark.parametrize("draft", ["tiny-kimi-eagle3", "tiny-kimi-eagle3-mla", "tiny-kimi-eagle3.1-mla"])
+def test_bf16_acceptance_matches_reference(draft):
+    from acceptance_parity import chat_prompts
+
+    from atom_like.zoo.acceptance import evaluate, load_eval_prompts
+    from atom_like.zoo.eagle3_reference import load_draft
+    from atom_like.zoo.targets import load_target
+
+    target = str(resolve("tiny-kimi"))
+    sets = load_eval_prompts(PROMPTS, 64)
+    model, tok, stop = load_target(target, torch.bfloat16, "cuda")
+    drafter = load_draft(resolve(draft), model, torch.bfloat16).cuda()
+    ref = evaluate(model, drafter, tok, sets, stop, ks=(K,), max_new_tokens=MAX_NEW)
+    del model, drafter
+    torch.cuda.empty_cache()
+
+    engine = LLMEngine(target, dtype="bfloat16", method="eagle3", draft_model=str(resolve(draft)),
+                       num_speculative_tokens=K, max_model_len=4096, gpu_memory_utilization=0.3)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    ref_steps = ref_accepted = 0
+    for name, chats in sets.items():
+        engine.generate(chat_prompts(tok, chats), params, use_tqdm=False)
+        r = ref[name][f"k{K}"]
+        ref_steps += r["steps"]
+        ref_accepted += r["accepted"]
+    drafts, accepted = engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens
+    engine_al, ref_al = 1 + accepted / drafts, 1 + ref_accepted / ref_steps
+    print(f"{draft}: mean acceptance length at k={K}: engine {engine_al:.3f} ({drafts} steps), "
+          f"reference {ref_al:.3f} ({ref_steps} steps)")
+    assert abs(engine_al - ref_al) <= 0.01 * ref_al
