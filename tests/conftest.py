@@ -80,6 +80,7 @@ def write_eagle3_llama_draft(path: str, target_path: str, *, seed: int = 0, hidd
     from safetensors.torch import save_file
 
     target = json.load(open(os.path.join(target_path, "config.json")))
+    target = target.get("text_config", target)  # Kimi-K2.5 wraps its language model's config
     ht, vocab = target["hidden_size"], target["vocab_size"]
     h = hidden_size or ht
     heads, kv_heads, head_dim, inter = 4, 2, h // 4, 2 * h

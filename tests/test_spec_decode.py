@@ -266,3 +266,21 @@ def test_forced_acceptance_for_benchmarks(target, make_eagle3_llama):
     assert engine.spec_stats.acceptance_rate == pytest.approx(2 / 3)
     assert engine.spec_stats.mean_acceptance_length == pytest.approx(3.0)
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("arch", ["v3", "kimi"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_mha_draft_on_mla_target_is_lossless(make_deepseek, make_eagle3_llama, arch, k):
+    """Seed 004's case: an MLA target (DeepSeek-V3 / Kimi-K2.5) with a standard MHA EAGLE3 draft,
+    whose own MHA pool rides the target's block ids."""
+    target = make_deepseek(arch=arch)
+    draft = make_eagle3_llama(target, aux_layer_ids=[0, 1, 3])  # the tiny target has 3 layers; id 3 = N
+    prompts = PROMPTS[:3]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = [o.token_ids for o in LLMEngine(target, max_model_len=128).generate(prompts, params, use_tqdm=False)]
+    engine = LLMEngine(target, max_model_len=128, method="eagle3", draft_model=draft, num_speculative_tokens=k,
+                       max_num_batched_tokens=24)
+    assert sorted(engine.runner.kv_caches) == ["eagle3_kv_cache", "kv_cache"]
+    assert engine.runner.kv_caches["eagle3_kv_cache"].dim() == 6  # [L, 2, blocks, block, heads, dim]: MHA rows
+    assert [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)] == plain
+    assert_no_leak(engine)
