@@ -10,30 +10,20 @@ drafts) are never observed, so they cannot inflate the numbers (seed 004).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
 
-class SpecStats:
-    def __init__(self, num_spec_tokens: int, log_every_steps: int = 100):
-        self.k = num_spec_tokens
-        self.log_every_steps = log_every_steps
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.accepted_at_position = [0] * num_spec_tokens  # drafts whose position i was accepted
-        self.accepted_histogram = [0] * (num_spec_tokens + 1)  # drafts with exactly n accepted
-        self.num_steps = 0
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        if not 0 <= accepted <= drafted <= self.k:
-            raise ValueError(f"accepted {accepted} of {drafted} drafted tokens (k={self.k})")
-        self.num_drafts += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        for i in range(accepted):
-            self.accepted_at_position[i] += 1
-        self.accepted_histogram[accepted] += 1
+@dataclass
+class SpecCounts:
+    """Cumulative speculation counters and the metrics derived from them; the engine's SpecStats
+    and the server's /metrics snapshots are both SpecCounts."""
+    num_drafts: float = 0
+    num_draft_tokens: float = 0
+    num_accepted_tokens: float = 0
+    accepted_per_position: list[float] = field(default_factory=list)  # drafts whose position i was accepted
+    num_speculative_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -45,7 +35,37 @@ class SpecStats:
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_at_position]
+        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_position]
+
+    def minus(self, before: "SpecCounts") -> "SpecCounts":  # a snapshot type, never SpecStats
+        """The counts accumulated since `before`."""
+        per_pos = [a - b for a, b in zip(self.accepted_per_position, before.accepted_per_position, strict=True)]
+        return type(self)(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
+                          self.num_accepted_tokens - before.num_accepted_tokens, per_pos, self.num_speculative_tokens)
+
+
+class SpecStats(SpecCounts):
+    """The engine's counters: observed once per verification, logged every `log_every_steps` steps."""
+
+    def __init__(self, num_spec_tokens: int, log_every_steps: int = 100):
+        super().__init__(accepted_per_position=[0] * num_spec_tokens, num_speculative_tokens=num_spec_tokens)
+        self.log_every_steps = log_every_steps
+        self.accepted_histogram = [0] * (num_spec_tokens + 1)  # drafts with exactly n accepted
+        self.num_steps = 0
+
+    def snapshot(self) -> SpecCounts:
+        return SpecCounts(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                          list(self.accepted_per_position), self.num_speculative_tokens)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if not 0 <= accepted <= drafted <= self.num_speculative_tokens:
+            raise ValueError(f"accepted {accepted} of {drafted} drafted tokens (k={self.num_speculative_tokens})")
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+        self.accepted_histogram[accepted] += 1
 
     def summary(self) -> str:
         per_pos = ", ".join(f"{p:.3f}" for p in self.per_position_acceptance)

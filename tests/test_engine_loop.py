@@ -26,7 +26,7 @@ def request(request_id: str, prompt_ids: list[int], params: SamplingParams = GRE
 
 
 async def started(engine) -> EngineLoop:
-    loop = EngineLoop(engine, ServerMetrics(engine.scheduler.spec_stats.k), stats_interval=0)
+    loop = EngineLoop(engine, ServerMetrics(engine.scheduler.spec_stats.num_speculative_tokens), stats_interval=0)
     loop.start(asyncio.get_running_loop())
     while not loop.ready and loop.warmup_error is None:
         await asyncio.sleep(0.01)

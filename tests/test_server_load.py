@@ -143,12 +143,6 @@ def test_benchmark_serving_sharegpt(server, make_llama):
     assert summary["completed"] == 4 and summary["total_input_tokens"] >= 4 * 4
 
 
-def test_sharegpt_parser_stops_at_the_cut():
-    text = '[{"id": "a", "conversations": []}, {"id": "b"},\n {"id": "c", "conv'
-    assert [r["id"] for r in benchmark_serving.iter_sharegpt(text)] == ["a", "b"]
-    assert [r["id"] for r in benchmark_serving.iter_sharegpt('[{"id": "a"}]')] == ["a"]
-
-
 def test_periodic_stats_log_line(server):
     deadline = time.monotonic() + 10
     while "generation throughput" not in server.log_tail(20000) and time.monotonic() < deadline:

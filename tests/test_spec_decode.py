@@ -3,7 +3,6 @@ acceptance length, exact statistics, the DraftBuilder pool, block ids past 65,53
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import numpy as np

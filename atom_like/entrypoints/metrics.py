@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
+
+from spec_decode.stats import SpecCounts
 
 logger = logging.getLogger(__name__)
 
@@ -173,37 +175,14 @@ class StatsLogger:
 
 
 @dataclass
-class SpecSnapshot:
-    """Cumulative speculation counts, as the engine or /metrics reports them."""
-    num_drafts: float = 0
-    num_draft_tokens: float = 0
-    num_accepted_tokens: float = 0
-    accepted_per_position: list[float] = field(default_factory=list)
-    num_speculative_tokens: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_position]
+class SpecSnapshot(SpecCounts):
+    """Speculation counts as /metrics reports them (and as the engine's stats give them)."""
 
     def describe(self) -> str:
         per_pos = ", ".join(f"{p:.3f}" for p in self.per_position_acceptance)
         return (f"speculation: acceptance rate {self.acceptance_rate:.1%} ({self.num_accepted_tokens:.0f}/"
                 f"{self.num_draft_tokens:.0f} drafted tokens), mean acceptance length {self.mean_acceptance_length:.2f}, "
                 f"per-position [{per_pos}]")
-
-    def minus(self, before: "SpecSnapshot") -> "SpecSnapshot":
-        """The counts accumulated between `before` and this snapshot."""
-        per_pos = [a - b for a, b in zip(self.accepted_per_position, before.accepted_per_position, strict=True)]
-        return SpecSnapshot(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
-                            self.num_accepted_tokens - before.num_accepted_tokens, per_pos, self.num_speculative_tokens)
 
     def as_dict(self) -> dict:
         return {"num_speculative_tokens": self.num_speculative_tokens, "num_drafts": self.num_drafts,

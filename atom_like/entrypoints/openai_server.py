@@ -94,7 +94,7 @@ def _short(value) -> str:
 
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
               stats_interval: float = 10.0) -> FastAPI:
-    metrics = ServerMetrics(engine.scheduler.spec_stats.k)
+    metrics = ServerMetrics(engine.scheduler.spec_stats.num_speculative_tokens)
     engine_loop = EngineLoop(engine, metrics, stats_interval)
     tokenizer = copy.deepcopy(engine.tokenizer)  # the event loop's own copy (see serving.py)
     serving = OpenAIServing(engine_loop, tokenizer, served_model_name, engine.max_model_len, engine.runner.vocab_size)

