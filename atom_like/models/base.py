@@ -133,3 +133,28 @@ class Eagle3TargetMixin:
 
 def _as_parameter(t: torch.Tensor) -> nn.Parameter:
     return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+
+
+class DecoderOnlyLM(Eagle3TargetMixin, CausalLM):
+    """A decoder stack `model` (a DecoderModel) under an LM head, tied to its embedding when the
+    config says so: what Llama and DeepSeek share."""
+
+    def __init__(self, config: PretrainedConfig, model: nn.Module):
+        super().__init__()
+        self.config = config
+        self.model = model
+        tied = model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def common_skips(self) -> list[tuple[str, str]]:
+        """Checkpoint tensors every such model ignores."""
+        skip = [("rotary_emb.inv_freq", "rotary frequency buffers (recomputed from the config)")]
+        if self.config.tie_word_embeddings:
+            skip.append(("lm_head.weight", "lm_head.weight (tied to embed_tokens)"))
+        return skip

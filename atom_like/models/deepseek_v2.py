@@ -15,11 +15,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from atom_like.loader.weights import WeightMap
-from atom_like.models.base import CausalLM, Eagle3TargetMixin, run_decoder_layers
+from atom_like.models.base import DecoderOnlyLM, run_decoder_layers
 from atom_like.models.llama import LlamaDecoderLayer, LlamaMLP
 from model_ops.attention.metadata import AttentionMetadata
 from model_ops.attention.mla import MLAAttention
-from model_ops.embed_head import LMHead, VocabEmbedding
+from model_ops.embed_head import VocabEmbedding
 from model_ops.layernorm import RMSNorm
 from model_ops.linear import Linear, MergedLinear
 from model_ops.moe import FusedExperts, GatingConfig, TopkRouter, expert_weight_rule
@@ -163,31 +163,19 @@ class DeepseekV2Model(nn.Module):
         return run_decoder_layers(self.layers, self.norm, hidden, cos_sin, meta, self.aux)
 
 
-class DeepseekV2ForCausalLM(Eagle3TargetMixin, CausalLM):
+class DeepseekV2ForCausalLM(DecoderOnlyLM):
     # routing defaults when config.json omits them (transformers' configs do)
     default_scoring_func = "softmax"
     default_topk_method = "greedy"
 
     def __init__(self, config: PretrainedConfig):
-        super().__init__()
         check_config(config)
-        self.config = config
         gating = (GatingConfig.from_config(config, self.default_scoring_func, self.default_topk_method)
                   if getattr(config, "n_routed_experts", None) else None)  # None: every layer dense
-        self.model = DeepseekV2Model(config, gating)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size, tied_to=tied)
-
-    def forward(self, input_ids, positions, meta):
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        super().__init__(config, DeepseekV2Model(config, gating))
 
     def weight_map(self) -> WeightMap:
-        skip = [("rotary_emb.inv_freq", "rotary frequency buffers (recomputed from the config)")]
-        if self.config.tie_word_embeddings:
-            skip.append(("lm_head.weight", "lm_head.weight (tied to embed_tokens)"))
+        skip = self.common_skips()
         num_layers = self.config.num_hidden_layers
         num_mtp = getattr(self.config, "num_nextn_predict_layers", None) or 0
         # MTP modules sit after the last decoder layer as model.layers.{N..N+num_mtp-1}

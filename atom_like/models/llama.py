@@ -6,11 +6,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from atom_like.loader.weights import WeightMap
-from atom_like.models.base import CausalLM, Eagle3TargetMixin, run_decoder_layers
+from atom_like.models.base import DecoderOnlyLM, run_decoder_layers
 from model_ops.activation import silu_and_mul
 from model_ops.attention.layer import PagedAttention
 from model_ops.attention.metadata import AttentionMetadata
-from model_ops.embed_head import LMHead, VocabEmbedding
+from model_ops.embed_head import VocabEmbedding
 from model_ops.layernorm import RMSNorm
 from model_ops.linear import Linear, MergedLinear
 from model_ops.rotary import RotaryEmbedding
@@ -94,24 +94,12 @@ class LlamaModel(nn.Module):
         return run_decoder_layers(self.layers, self.norm, hidden, cos_sin, meta, self.aux)
 
 
-class LlamaForCausalLM(Eagle3TargetMixin, CausalLM):
+class LlamaForCausalLM(DecoderOnlyLM):
     def __init__(self, config: PretrainedConfig):
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size, tied_to=tied)
-
-    def forward(self, input_ids, positions, meta):
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        super().__init__(config, LlamaModel(config))
 
     def weight_map(self) -> WeightMap:
-        skip = [("rotary_emb.inv_freq", "rotary frequency buffers (recomputed from the config)")]
-        if self.config.tie_word_embeddings:
-            skip.append(("lm_head.weight", "lm_head.weight (tied to embed_tokens)"))
+        skip = self.common_skips()
         packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         return WeightMap(packed=packed, skip=tuple(skip))
