@@ -82,16 +82,29 @@ def run_decoder_layers(layers: nn.ModuleList, norm: RMSNorm, hidden: torch.Tenso
     return norm.add_forward(hidden, residual)[0]
 
 
-class DecoderModel(Protocol):
-    """The inner `model` of a decoder-only CausalLM, as Eagle3TargetMixin uses it."""
+class DecoderModel(nn.Module):
+    """The inner `model` of a decoder-only CausalLM: embeddings, a stack of pre-norm residual
+    layers sharing one rotary embedding, a final norm, and the `aux` slot Eagle3TargetMixin binds.
+    Subclasses build `embed_tokens`, `rotary`, `layers` and `norm`."""
 
     embed_tokens: VocabEmbedding
-    aux: AuxHiddenStates | None
+    rotary: nn.Module
+    layers: nn.ModuleList
+    norm: RMSNorm
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux: AuxHiddenStates | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        return run_decoder_layers(self.layers, self.norm, hidden, cos_sin, meta, self.aux)
 
 
 class Eagle3TargetMixin:
     """Eagle3Target, written once for CausalLMs with `self.model` (a DecoderModel whose forward
-    runs `run_decoder_layers` with its `aux` slot) and `self.lm_head`."""
+    fills its `aux` slot) and `self.lm_head`."""
 
     config: PretrainedConfig
     model: DecoderModel
@@ -139,7 +152,7 @@ class DecoderOnlyLM(Eagle3TargetMixin, CausalLM):
     """A decoder stack `model` (a DecoderModel) under an LM head, tied to its embedding when the
     config says so: what Llama and DeepSeek share."""
 
-    def __init__(self, config: PretrainedConfig, model: nn.Module):
+    def __init__(self, config: PretrainedConfig, model: DecoderModel):
         super().__init__()
         self.config = config
         self.model = model

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from atom_like.loader.weights import WeightMap
-from atom_like.models.base import DecoderOnlyLM, run_decoder_layers
+from atom_like.models.base import DecoderModel, DecoderOnlyLM
 from atom_like.models.llama import LlamaDecoderLayer, LlamaMLP
 from model_ops.attention.metadata import AttentionMetadata
 from model_ops.attention.mla import MLAAttention
@@ -142,7 +142,7 @@ def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
     return index >= (config.first_k_dense_replace or 0) and index % (getattr(config, "moe_layer_freq", None) or 1) == 0
 
 
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(DecoderModel):
     def __init__(self, config: PretrainedConfig, gating: GatingConfig | None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
@@ -155,12 +155,6 @@ class DeepseekV2Model(nn.Module):
                    else LlamaMLP(config.hidden_size, config.intermediate_size))
             self.layers.append(LlamaDecoderLayer(config, self.rotary, DeepseekV2Attention(config, self.rotary), mlp))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.aux = None  # bound by Eagle3TargetMixin for EAGLE3 drafts
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        return run_decoder_layers(self.layers, self.norm, hidden, cos_sin, meta, self.aux)
 
 
 class DeepseekV2ForCausalLM(DecoderOnlyLM):

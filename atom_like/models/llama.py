@@ -6,7 +6,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from atom_like.loader.weights import WeightMap
-from atom_like.models.base import DecoderOnlyLM, run_decoder_layers
+from atom_like.models.base import DecoderModel, DecoderOnlyLM
 from model_ops.activation import silu_and_mul
 from model_ops.attention.layer import PagedAttention
 from model_ops.attention.metadata import AttentionMetadata
@@ -79,19 +79,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config, llama_head_dim(config))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.aux = None  # bound by Eagle3TargetMixin for EAGLE3 drafts
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        return run_decoder_layers(self.layers, self.norm, hidden, cos_sin, meta, self.aux)
 
 
 class LlamaForCausalLM(DecoderOnlyLM):
