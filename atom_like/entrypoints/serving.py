@@ -124,6 +124,22 @@ def _sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
 
+async def _guarded(generation: _Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Every stream's ending: an engine-side error becomes an error event, a client that left
+    stops the stream, and the generation is closed (its requests aborted if unfinished) however
+    the stream ends."""
+    try:
+        async for event in events:
+            yield event
+    except OpenAIError as exc:
+        yield _sse(ErrorResponse(error=exc.info))
+        yield "data: [DONE]\n\n"
+    except _ClientGone:
+        return
+    finally:
+        generation.close()
+
+
 class OpenAIServing:
     def __init__(self, engine_loop: EngineLoop, tokenizer, served_model_name: str, max_model_len: int,
                  vocab_size: int):
@@ -181,8 +197,7 @@ class OpenAIServing:
         try:
             await generation.start()
             if stream is not None:
-                # The stream closes the generation when it ends, however it ends.
-                return StreamingResponse(stream(generation), media_type="text/event-stream")
+                return StreamingResponse(_guarded(generation, stream(generation)), media_type="text/event-stream")
             try:
                 return respond(await generation.final_outputs())
             finally:
@@ -265,29 +280,21 @@ class OpenAIServing:
         sent_tokens = [0] * len(generation.requests)
         token_text_offset = [0] * len(generation.requests)  # for logprobs.text_offset
         final: list[RequestOutput] = []
-        try:
-            async for index, out in generation.outputs():
-                delta = text.delta(index, out)
-                logprobs = None
-                if body.logprobs is not None and out.logprobs is not None:
-                    logprobs = self._completion_logprobs(out.logprobs[sent_tokens[index]:], token_text_offset[index])
-                    token_text_offset[index] += sum(len(t) for t in logprobs.tokens)
-                sent_tokens[index] = len(out.token_ids)
-                if delta or out.finished or (logprobs and logprobs.tokens):
-                    choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=out.finish_reason)
-                    yield _sse(CompletionResponse(id=request_id, model=self.served_model_name, choices=[choice]))
-                if out.finished:
-                    final.append(out)
-            if include_usage:
-                yield _sse(CompletionResponse(id=request_id, model=self.served_model_name, choices=[], usage=_usage(final)))
-            yield "data: [DONE]\n\n"
-        except OpenAIError as exc:
-            yield _sse(ErrorResponse(error=exc.info))
-            yield "data: [DONE]\n\n"
-        except _ClientGone:
-            return
-        finally:
-            generation.close()
+        async for index, out in generation.outputs():
+            delta = text.delta(index, out)
+            logprobs = None
+            if body.logprobs is not None and out.logprobs is not None:
+                logprobs = self._completion_logprobs(out.logprobs[sent_tokens[index]:], token_text_offset[index])
+                token_text_offset[index] += sum(len(t) for t in logprobs.tokens)
+            sent_tokens[index] = len(out.token_ids)
+            if delta or out.finished or (logprobs and logprobs.tokens):
+                choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=out.finish_reason)
+                yield _sse(CompletionResponse(id=request_id, model=self.served_model_name, choices=[choice]))
+            if out.finished:
+                final.append(out)
+        if include_usage:
+            yield _sse(CompletionResponse(id=request_id, model=self.served_model_name, choices=[], usage=_usage(final)))
+        yield "data: [DONE]\n\n"
 
     async def _stream_chat(self, generation: _Generation, body: ChatCompletionRequest) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -298,27 +305,19 @@ class OpenAIServing:
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return _sse(ChatCompletionChunk(id=request_id, model=self.served_model_name, choices=choices, usage=usage))
 
-        try:
-            yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
-            async for _, out in generation.outputs():
-                delta = text.delta(0, out)
-                logprobs = None
-                if body.logprobs and out.logprobs is not None:
-                    logprobs = ChatLogprobs(content=self._chat_logprobs(out.logprobs[sent_tokens:]))
-                sent_tokens = len(out.token_ids)
-                if delta or out.finished or (logprobs and logprobs.content):
-                    yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(content=delta), logprobs=logprobs,
-                                                  finish_reason=out.finish_reason)])
-                if out.finished and include_usage:
-                    yield chunk([], _usage([out]))
-            yield "data: [DONE]\n\n"
-        except OpenAIError as exc:
-            yield _sse(ErrorResponse(error=exc.info))
-            yield "data: [DONE]\n\n"
-        except _ClientGone:
-            return
-        finally:
-            generation.close()
+        yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
+        async for _, out in generation.outputs():
+            delta = text.delta(0, out)
+            logprobs = None
+            if body.logprobs and out.logprobs is not None:
+                logprobs = ChatLogprobs(content=self._chat_logprobs(out.logprobs[sent_tokens:]))
+            sent_tokens = len(out.token_ids)
+            if delta or out.finished or (logprobs and logprobs.content):
+                yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(content=delta), logprobs=logprobs,
+                                              finish_reason=out.finish_reason)])
+            if out.finished and include_usage:
+                yield chunk([], _usage([out]))
+        yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ logprobs
 
