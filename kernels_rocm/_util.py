@@ -98,6 +98,15 @@ def check_dim(name: str, tensor: torch.Tensor, dim: int, expected: int, what: st
         )
 
 
+def check_out(out: torch.Tensor | None, like: torch.Tensor, like_name: str, dtypes: tuple[torch.dtype, ...]) -> None:
+    """An optional caller-provided output must have the shape of the input it mirrors."""
+    if out is None:
+        return
+    check_tensor("out", out, like.dim(), dtypes)
+    if out.shape != like.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} must equal {like_name} shape {tuple(like.shape)}")
+
+
 def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:

@@ -30,6 +30,7 @@ from kernels_rocm._util import (
     SUPPORTED_DTYPES,
     UPCAST_DOT,
     check_dim,
+    check_out,
     check_same_device,
     check_tensor,
     dot_precision,
@@ -141,10 +142,7 @@ def _check_inputs(
         raise ValueError(
             f"q_latent, q_pe and kv_cache dtypes must match, got {q_latent.dtype}, {q_pe.dtype}, {kv_cache.dtype}"
         )
-    if out is not None:
-        check_tensor("out", out, 3, SUPPORTED_DTYPES)
-        if out.shape != q_latent.shape:
-            raise ValueError(f"out shape {tuple(out.shape)} must equal q_latent shape {tuple(q_latent.shape)}")
+    check_out(out, q_latent, "q_latent", SUPPORTED_DTYPES)
     check_same_device(q_latent=q_latent, q_pe=q_pe, kv_cache=kv_cache, out=out)
 
 

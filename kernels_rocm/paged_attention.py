@@ -29,6 +29,7 @@ from kernels_rocm._util import (
     SUPPORTED_DTYPES,
     UPCAST_DOT,
     check_dim,
+    check_out,
     check_same_device,
     check_tensor,
     dot_precision,
@@ -137,10 +138,7 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             f"{num_kv_heads} kv heads (shape {tuple(k_cache.shape)})"
         )
     check_dim("q", q, 2, k_cache.shape[3], "k_cache's head dim")
-    if out is not None:
-        check_tensor("out", out, 3, SUPPORTED_DTYPES)
-        if out.shape != q.shape:
-            raise ValueError(f"out shape {tuple(out.shape)} must equal q shape {tuple(q.shape)}")
+    check_out(out, q, "q", SUPPORTED_DTYPES)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, out=out)
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_rocm._util import SUPPORTED_DTYPES, check_dim, check_same_device, check_tensor
+from kernels_rocm._util import SUPPORTED_DTYPES, check_dim, check_out, check_same_device, check_tensor
 
 MAX_HIDDEN = 65_536  # one row per program held in registers
 
@@ -59,10 +59,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> N
     check_dim("weight", weight, 0, x.shape[1], "x's hidden size")
     if x.shape[1] > MAX_HIDDEN:
         raise ValueError(f"x has shape {tuple(x.shape)}: hidden size above {MAX_HIDDEN} is not supported")
-    if out is not None:
-        check_tensor("out", out, 2, (x.dtype,))
-        if out.shape != x.shape:
-            raise ValueError(f"out shape {tuple(out.shape)} must equal x shape {tuple(x.shape)}")
+    check_out(out, x, "x", (x.dtype,))
     check_same_device(x=x, weight=weight, out=out)
 
 
