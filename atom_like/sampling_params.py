@@ -12,6 +12,7 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # end the request on these as on EOS (also with ignore_eos)
     seed: int | None = None
     logprobs: int | None = None
 
@@ -19,6 +20,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}")
         if self.temperature < 0:

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the GPU tests and every benchmark, results under $OUT.
 #
-#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [models] [spec]
+#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [models] [spec] [gsm8k]
 #
+# gsm8k runs ci/nightly_gsm8k.sh on $GSM8K_ENTRIES (default: the SmolLM2 pair, with and without
+# speculation) against the zoo cache $ATOM_LIKE_CACHE (default /tmp/zoo_work/models, where
+# ci/train_zoo.sh leaves its models on a machine kept warm between calls); reports in $OUT/gsm8k.
 # Writes $OUT/results.md (every table), $OUT/gpu_check.log (all output), $OUT/*.json (raw
 # numbers) and $OUT/summary.txt (exit status of each part). Wheels in .whl/ (a transformers newer
 # than the machine's, say) are installed into /tmp/site first. No step stops the others.
@@ -16,7 +19,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests kernels models spec)
+[ ${#parts[@]} -eq 0 ] && parts=(tests kernels models spec gsm8k)
 log="$OUT/gpu_check.log"
 : >"$OUT/summary.txt"
 
@@ -36,6 +39,8 @@ for part in "${parts[@]}"; do
     kernels) run bench_kernels python3 ci/bench_kernels.py --out "$OUT" ;;
     models) run bench_models python3 ci/bench_models.py ;;
     spec) run bench_spec python3 ci/bench_spec.py ;;
+    gsm8k) run gsm8k env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k" \
+             ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
   esac
 done

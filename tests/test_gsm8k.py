@@ -115,7 +115,7 @@ def test_a_server_that_cannot_start_is_a_run_failure(tmp_path, capsys):
         assert reason in capsys.readouterr().err
 
 
-def test_speculation_on_and_off_give_identical_answers(make_llama, make_eagle3_llama, tmp_path):
+def test_speculation_on_and_off_give_identical_answers(make_llama, make_eagle3_llama, tmp_path, capsys):
     target = make_llama(tokenizer=True)
     # random: it proposes badly, but greedy output must not change; aux layers fit the 2-layer target
     draft = make_eagle3_llama(target, aux_layer_ids=[0, 1, 2])
@@ -128,6 +128,22 @@ def test_speculation_on_and_off_give_identical_answers(make_llama, make_eagle3_l
         assert gsm8k.main(["--catalog", str(catalog), "--entry", name, "--output", str(path)]) == gsm8k.EXIT_PASSED
         reports[name] = json.loads(path.read_text())
     assert [s["completion"] for s in reports["on"]["samples"]] == [s["completion"] for s in reports["off"]["samples"]]
+    capsys.readouterr()
+    assert gsm8k.main(["--summarize", str(tmp_path / "off.json"), str(tmp_path / "on.json")]) == gsm8k.EXIT_PASSED
+    assert "on                           vs off: same completion 20/20, same extracted answers 20/20" in capsys.readouterr().out
     spec = reports["on"]["speculation"]
     assert spec["num_speculative_tokens"] == 3 and spec["num_draft_tokens"] > 0
     assert 0 <= spec["acceptance_rate"] <= 1 and len(spec["per_position_acceptance"]) == 3
+
+
+def test_agreement_between_two_reports():
+    def report(name, completions, questions=("q1", "q2", "q3")):
+        return {"entry": {"name": name}, "samples": [
+            {"question": q, "completion": c, "extracted": {m: gsm8k.flexible_extract(c) for m in gsm8k.METRICS}}
+            for q, c in zip(questions, completions)]}
+
+    off = report("off", ["so 4. #### 4", "it is 7", "12"])
+    on = report("on", ["so 4. #### 4", "it is 7 apples", "13"])
+    assert gsm8k.agreement_line(on, off).endswith("vs off: same completion 1/3, same extracted answers 2/3")
+    assert "not comparable" in gsm8k.agreement_line(report("x", ["1", "2", "3"], ("q1", "q2", "other")), off)
+    assert "not comparable" in gsm8k.agreement_line(report("y", ["1", "2"]), off)

@@ -10,7 +10,7 @@ import zoo_micro
 from atom_like.zoo import acceptance, train_eagle3
 from atom_like.zoo import eagle3_reference as R
 from atom_like.zoo.checkpoint import load_tensors
-from atom_like.zoo.regenerate import greedy_generate
+from atom_like.zoo.regenerate import engine_generate, greedy_generate
 from atom_like.zoo.shards import prompt_ids
 from atom_like.zoo.targets import load_target
 
@@ -187,3 +187,18 @@ def test_default_aux_layer_ids():
         assert len(set(ids)) == 3 and ids == sorted(ids) and ids[0] == 2 and ids[-1] <= n - 1
     with pytest.raises(ValueError, match="too shallow"):
         R.default_aux_layer_ids(4)
+
+
+def test_engine_regeneration_equals_transformers_generate(micro):
+    """The engine path of regeneration (continuous batching, paged KV) returns transformers'
+    greedy replies token for token in fp32 (on the Kimi-architecture micro target), cut after the first stop token the same way.
+
+    The stop token is one the untrained model actually emits mid-reply, so both the stop and the
+    length ending are covered."""
+    model, tok, _ = load_target(micro["mla"])
+    prompts = [prompt_ids(tok, c[:1]) for c in zoo_micro.chats(6, seed=11)]
+    free = greedy_generate(model, prompts, 16, [], tok.pad_token_id, batch_size=4)
+    stop = [next(t for r in free for t in r[1:] if sum(t in other for other in free) < len(free))]
+    ref = greedy_generate(model, prompts, 16, stop, tok.pad_token_id, batch_size=4)
+    assert any(r[-1] in stop and len(r) < 16 for r in ref) and any(len(r) == 16 for r in ref)
+    assert engine_generate(micro["mla"], prompts, 16, stop, batch_size=4, device="cpu", dtype="float32") == ref

@@ -162,7 +162,7 @@ class Scheduler:
         return touched
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in self.eos_token_ids and not seq.params.ignore_eos:
+        if (token in self.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
             return "stop"
         if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -250,6 +250,19 @@ def summary_line(report: dict) -> str:
     return line + ("PASS" if report["passed"] else "FAIL: " + "; ".join(report["failures"]))
 
 
+def agreement_line(report: dict, reference: dict) -> str:
+    """How often two runs over the same problems (speculation on and off, say) agree: the same
+    completion, the same extracted answer. Greedy fp32 runs must agree everywhere; bf16 GPU runs
+    flip near-ties between batch shapes, so there the accuracy is what is compared."""
+    pairs = list(zip(report["samples"], reference["samples"]))
+    if len(pairs) != len(reference["samples"]) or any(a["question"] != b["question"] for a, b in pairs):
+        return f"{report['entry']['name']:<28} not comparable with {reference['entry']['name']} (other problems)"
+    same_text = sum(a["completion"] == b["completion"] for a, b in pairs)
+    same_answer = sum(a["extracted"] == b["extracted"] for a, b in pairs)
+    return (f"{report['entry']['name']:<28} vs {reference['entry']['name']}: same completion {same_text}/{len(pairs)}, "
+            f"same extracted answers {same_answer}/{len(pairs)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flag(parser, "catalog", str, str(DEFAULT_CATALOG), "Catalog JSON.")
@@ -262,12 +275,16 @@ def main(argv: list[str] | None = None) -> int:
     add_flag(parser, "startup_timeout", float, 2700.0, "Seconds to wait for /health (ATOM's CI waits 45 min).")
     add_flag(parser, "force", bool, False, "Run an entry even if it requires hardware we do not have.")
     add_flag(parser, "list", bool, False, "List the catalog entries and exit.")
-    parser.add_argument("--summarize", nargs="+", metavar="REPORT", help="Print one line per report and exit.")
+    parser.add_argument("--summarize", nargs="+", metavar="REPORT",
+                        help="Print one line per report (and how each agrees with the first) and exit.")
     args = parser.parse_args(argv)
 
     if args.summarize:
-        for path in args.summarize:
-            print(summary_line(json.loads(Path(path).read_text())))
+        reports = [json.loads(Path(path).read_text()) for path in args.summarize]
+        for report in reports:
+            print(summary_line(report))
+        for report in reports[1:]:
+            print(agreement_line(report, reports[0]))
         return EXIT_PASSED
     catalog = load_catalog(Path(args.catalog))
     if args.list:

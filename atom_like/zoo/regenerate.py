@@ -3,10 +3,12 @@
 Why regenerate: a draft is graded on the target's *own* greedy text, which differs from the
 human/ChatGPT text of ShareGPT. Training the draft on the target's replies to training prompts
 (never to eval prompts) is the cheapest large gain in acceptance (see
-../shared/reference/eagle3_training_baseline.md). HF ``generate`` is slow one prompt at a time,
-so prompts are sorted by length and run in large left-padded batches, under a time budget.
-The new text is stored as token ids (prompt + reply, the reply masked as the assistant part),
-never re-tokenized from a decoded string.
+../shared/reference/eagle3_training_baseline.md), so the more replies per minute the better.
+Two generators, both greedy and under a time budget: our own engine (``engine_generate``: paged
+KV cache, continuous batching, CUDA graphs; the default on a GPU) and transformers' ``generate``
+(``greedy_generate``: length-sorted, left-padded batches; the default on CPU and the oracle the
+engine path is tested against). The new text is stored as token ids (prompt + reply, the reply
+masked as the assistant part), never re-tokenized from a decoded string.
 
 ``python -m atom_like.zoo.regenerate --target DIR --prompts regen_prompts.jsonl --out DIR``
 """
@@ -54,13 +56,52 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_i
     return results
 
 
+def engine_generate(target_dir, prompts: list[list[int]], max_new_tokens: int, stop_ids, batch_size: int = 256,
+                    deadline: float | None = None, dtype: str = "auto", device: str = "auto") -> list[list[int] | None]:
+    """``greedy_generate`` through atom_like's engine: same contract (cut after the first stop
+    token, ``None`` for prompts skipped at the deadline). Prompts go in rounds of 8 batches so the
+    deadline is checked between rounds; the KV cache is sized for one full batch only, which keeps
+    the GPU free for whatever runs next in this process."""
+    import gc
+
+    from atom_like import EngineArgs, LLMEngine, SamplingParams
+
+    block_size, longest = 16, max(map(len, prompts)) + max_new_tokens
+    blocks = batch_size * -(-longest // block_size) + 64
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(target_dir), dtype=dtype, device=device, max_num_seqs=batch_size, max_model_len=longest + 1,
+        block_size=block_size, num_kv_blocks=blocks))
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=list(stop_ids))
+    results: list[list[int] | None] = [None] * len(prompts)
+    chunk = 8 * batch_size
+    try:
+        for lo in range(0, len(prompts), chunk):
+            if deadline is not None and time.time() > deadline:
+                break
+            for i, out in enumerate(engine.generate(prompts[lo: lo + chunk], params, use_tqdm=False), lo):
+                results[i] = out.token_ids
+    finally:
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
 def regenerate(target, tok, chats: list, stop_ids, max_new_tokens: int, batch_size: int,
                max_prompt_tokens: int, deadline: float | None):
-    """-> documents ``(prompt + reply ids, mask over the reply)`` for the prompts done in time."""
+    """-> documents ``(prompt + reply ids, mask over the reply)`` for the prompts done in time.
+
+    ``target`` is a loaded transformers model (``greedy_generate``) or a checkpoint folder, which
+    runs on atom_like's engine (``engine_generate``)."""
     from atom_like.zoo.shards import prompt_ids
 
     prompts = [p for p in (prompt_ids(tok, c) for c in chats) if len(p) <= max_prompt_tokens]
-    replies = greedy_generate(target, prompts, max_new_tokens, stop_ids, tok.pad_token_id or 0, batch_size, deadline)
+    if isinstance(target, (str, Path)):
+        replies = engine_generate(target, prompts, max_new_tokens, stop_ids, batch_size, deadline)
+    else:
+        replies = greedy_generate(target, prompts, max_new_tokens, stop_ids, tok.pad_token_id or 0, batch_size,
+                                  deadline)
     return [(p + r, [False] * len(p) + [True] * len(r)) for p, r in zip(prompts, replies) if r]
 
 

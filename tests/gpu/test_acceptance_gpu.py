@@ -1,4 +1,5 @@
-"""bf16 on the GPU: the engine's mean acceptance length for each shipped tiny-kimi draft is within
+"""bf16 on the GPU: the engine's mean acceptance length for each shipped tiny-kimi draft (and the
+SmolLM2 draft, when a training run left it in the zoo cache) is within
 1% of the plain eager reference loop's (transformers target + plain-module draft; the zoo's fast
 replay of reference_speculate, which a CPU test checks step for step), over held-out prompts.
 Per-step identity is a CPU/fp32 property (tests/test_zoo_shipped.py): in bf16 the two paths flip
@@ -13,6 +14,7 @@ import torch
 
 from atom_like import LLMEngine, SamplingParams
 from atom_like.zoo import resolve
+from atom_like.zoo.registry import locate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 PROMPTS = Path(os.environ.get("ATOM_LIKE_EVAL_PROMPTS", ".stage/eval_prompts.jsonl"))
@@ -20,15 +22,19 @@ K, MAX_NEW = 3, 128
 
 
 @pytest.mark.skipif(not PROMPTS.is_file(), reason=f"held-out prompts not staged at {PROMPTS}")
-@pytest.mark.parametrize("draft", ["tiny-kimi-eagle3", "tiny-kimi-eagle3-mla", "tiny-kimi-eagle3.1-mla"])
-def test_bf16_acceptance_matches_reference(draft):
+@pytest.mark.parametrize("target,draft", [("tiny-kimi", "tiny-kimi-eagle3"), ("tiny-kimi", "tiny-kimi-eagle3-mla"),
+                                          ("tiny-kimi", "tiny-kimi-eagle3.1-mla"),
+                                          ("smollm2-135m", "smollm2-135m-eagle3")])
+def test_bf16_acceptance_matches_reference(target, draft):
     from acceptance_parity import chat_prompts
 
     from atom_like.zoo.acceptance import evaluate, load_eval_prompts
     from atom_like.zoo.eagle3_reference import load_draft
     from atom_like.zoo.targets import load_target
 
-    target = str(resolve("tiny-kimi"))
+    if locate(target) is None or locate(draft) is None:
+        pytest.skip(f"{target} / {draft} not in the zoo cache (ATOM_LIKE_CACHE); ci/train_zoo.sh builds them")
+    target = str(resolve(target))
     sets = load_eval_prompts(PROMPTS, 64)
     model, tok, stop = load_target(target, torch.bfloat16, "cuda")
     drafter = load_draft(resolve(draft), model, torch.bfloat16).cuda()
