@@ -35,7 +35,7 @@ run() {  # run NAME CMD...: tee into the log, record the exit status
 run env python3 -c "import torch, triton, transformers, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 for part in "${parts[@]}"; do
   case $part in
-    tests) run gpu_tests python3 -m pytest ${GPU_TESTS:-tests/gpu} -q -rs -p no:cacheprovider --timeout 900 ;;
+    tests) run gpu_tests python3 -m pytest ${GPU_TESTS:-tests/gpu} -q -rsP -p no:cacheprovider --timeout 900 ;;
     kernels) run bench_kernels python3 ci/bench_kernels.py --out "$OUT" ;;
     models) run bench_models python3 ci/bench_models.py ;;
     spec) run bench_spec python3 ci/bench_spec.py ;;

@@ -38,7 +38,8 @@ MODELS: dict[str, ZooModel] = {m.name: m for m in [
              "python -m atom_like.zoo prepare smollm2-135m", converted=True),
     ZooModel("smollm2-135m-eagle3", "draft", "smollm2-135m",
              "EAGLE3 Llama draft for SmolLM2, draft vocab < target vocab (d2t)",
-             "python -m atom_like.zoo.train_eagle3 --target smollm2-135m --arch llama ... (see README)"),
+             "ZOO_STAGES=smol-convert,smol-regen,smol-draft,smol-draft-more ci/train_zoo.sh on a GPU "
+             "(atom_like/zoo/README.md)"),
     ZooModel("tiny-kimi", "target", None,
              "Kimi-K2.5 architecture (MLA + MoE, sigmoid/noaux_tc routing), trained from scratch", _TRAIN),
     ZooModel("tiny-kimi-eagle3", "draft", "tiny-kimi", "EAGLE3 Llama (MHA) draft, full vocab", _TRAIN),

@@ -9,6 +9,7 @@ plan (what to build here, what each call carries). Stages, chosen with ``ZOO_STA
   smol-convert  rebuild SmolLM2 from the carried GGUF parts (checked bit-identical)
   smol-regen    SmolLM2 answers training prompts                       ZOO_SMOL_REGEN_MIN
   smol-draft    smollm2-135m-eagle3 (draft vocab < vocab: d2t)         ZOO_SMOL_DRAFT_MIN
+  smol-draft-more  its second phase: continued at lr 5e-4, replies x2   ZOO_SMOL_MORE_MIN
 
 Why one process with a deadline: a device command may run 10 minutes and the machine may be
 given back between calls, so every stage gets its minutes trimmed to what is left before
@@ -34,7 +35,7 @@ import tarfile
 import time
 from pathlib import Path
 
-STAGES = ["tiny-target", "tiny-regen", "tiny-drafts", "smol-convert", "smol-regen", "smol-draft"]
+STAGES = ["tiny-target", "tiny-regen", "tiny-drafts", "smol-convert", "smol-regen", "smol-draft", "smol-draft-more"]
 # Sizes chosen so that tiny-kimi + its three drafts fit in 40 MB of bf16 (README).
 TINY_DRAFTS = {
     "tiny-kimi-eagle3": ["--arch", "llama", "--heads", "4", "--kv-heads", "4", "--head-dim", "64",
@@ -62,6 +63,7 @@ def planned_seconds(stage: str) -> float:
         "smol-convert": 60,
         "smol-regen": 60 * float(env("ZOO_SMOL_REGEN_MIN", "1")) + 30,
         "smol-draft": 60 * float(env("ZOO_SMOL_DRAFT_MIN", "5")) + 100,
+        "smol-draft-more": 60 * float(env("ZOO_SMOL_MORE_MIN", "7")) + 100,
     }[stage]
 
 
@@ -229,18 +231,26 @@ def stage_smol_regen(run: Run):
     return regen_stage(run, run.find("smollm2-135m"), "smol-regen", minutes, 384, 256)
 
 
-def stage_smol_draft(run: Run):
-    minutes = run.minutes("smol-draft", float(env("ZOO_SMOL_DRAFT_MIN", "5")))
+def smol_draft(run: Run, minutes: float, regen_repeat: int, extra: list[str]) -> dict:
     data = [f"{run.stage / 'smollm2'}:sharegpt,gsm8k*2"]
     try:
-        data.append(f"{run.find('smol-regen')}:regen*2")
+        data.append(f"{run.find('smol-regen')}:regen*{regen_repeat}")
     except FileNotFoundError:
         run.log("no SmolLM2 regenerated data: the draft trains on the corpus only")
-    extra = list(SMOL_DRAFT)
-    if env("ZOO_SMOL_INIT", ""):
-        extra += ["--init", env("ZOO_SMOL_INIT", "")]
-    cmd = draft_command(run, "smollm2-135m-eagle3", run.find("smollm2-135m"), data, extra, minutes)
+    cmd = draft_command(run, "smollm2-135m-eagle3", run.find("smollm2-135m"), data, SMOL_DRAFT + extra, minutes)
     return run_drafts(run, {"smollm2-135m-eagle3": cmd}, parallel=False)
+
+
+def stage_smol_draft(run: Run):
+    minutes = run.minutes("smol-draft", float(env("ZOO_SMOL_DRAFT_MIN", "5")))
+    return smol_draft(run, minutes, 2, ["--init", env("ZOO_SMOL_INIT", "")] if env("ZOO_SMOL_INIT", "") else [])
+
+
+def stage_smol_draft_more(run: Run):
+    """Phase 2 (the shipped recipe): continue smol-draft's checkpoint at half its learning rate,
+    with the target's own replies weighted twice as much (they are what held-out prompts get)."""
+    minutes = run.minutes("smol-draft-more", float(env("ZOO_SMOL_MORE_MIN", "7")))
+    return smol_draft(run, minutes, 4, ["--init", str(run.find("smollm2-135m-eagle3")), "--lr", "5e-4"])
 
 
 def gather_carried(run: Run):
@@ -266,7 +276,7 @@ def table(report: dict) -> str:
         if stage == "tiny-target" and "heldout_ppl" in res:
             lines.append(f"tiny-kimi: held-out ppl {res['heldout_ppl']} (assistant tokens {res['heldout_assistant_ppl']}), "
                          f"{res['steps']} steps, {res['epochs']} epochs, {res['train_seconds']}s, checks ok={res['checks']['ok']}")
-        elif stage in ("tiny-drafts", "smol-draft"):
+        elif stage in ("tiny-drafts", "smol-draft", "smol-draft-more"):
             for name, s in res.items():
                 if "acceptance" not in s:
                     lines.append(f"{name}: {s.get('error', 'no acceptance measured')}")
