@@ -16,7 +16,8 @@ Methodology (decode only; prefill is excluded from every number):
   dominate). t(n) = median of 3 timed generate calls producing n tokens; the first token comes
   with the prefill, so tokens/s = batch * (max_tokens - 1) / (t(max_tokens) - t(1)).
 * atom_like runs with CUDA graphs off and on (`--graphs`), where the engine has them; the
-  backends it used (torch reference or kernels_rocm Triton kernels) are recorded.
+  backends it used (torch reference or kernels_rocm Triton kernels) are recorded. `--norm both`
+  adds runs with the eager RMSNorm instead of the fused add + RMSNorm kernel, in the same process.
 
     python ci/bench_models.py [--models deepseek,llama --batch-sizes 1,32 --max-tokens 64]
     results: $OUT/bench_models.json and $OUT/bench_models.md (default folder ./bench_out)
@@ -124,9 +125,14 @@ def decode_step_bytes(engine, batch: int, context: int, top_k: int) -> float:
 
 
 def bench_engine(path: str, batches: list[int], prompt_len: int, max_tokens: int, eager: bool,
-                 copy_gbps: float) -> list[dict]:
+                 copy_gbps: float, fused_norm: bool = True) -> list[dict]:
     from atom_like import LLMEngine
+    from model_ops import layernorm
     from model_ops.moe import FusedExperts
+
+    dispatch = layernorm._kernels_for
+    if not fused_norm:
+        layernorm._kernels_for = lambda x: None
 
     engine = LLMEngine(path, dtype="bfloat16", max_model_len=prompt_len + max_tokens + 16, max_num_seqs=max(batches),
                        gpu_memory_utilization=0.4, enforce_eager=eager)
@@ -140,10 +146,12 @@ def bench_engine(path: str, batches: list[int], prompt_len: int, max_tokens: int
         tps = engine_decode(engine, batch_prompts, max_tokens)
         top_k = getattr(model.config, "num_experts_per_tok", 0) or 0
         roofline_ms = decode_step_bytes(engine, batch, prompt_len + max_tokens // 2, top_k) / copy_gbps / 1e6
-        rows.append(dict(engine="atom_like", mode="eager" if eager else "graphs", batch=batch, tokens_per_s=tps,
+        mode = ("eager" if eager else "graphs") + ("" if fused_norm else ", eager RMSNorm")
+        rows.append(dict(engine="atom_like", mode=mode, batch=batch, tokens_per_s=tps,
                          step_ms=1e3 * batch / tps, roofline_ms=roofline_ms, attention_backends=backends,
                          experts_impl=experts))
     del engine, model
+    layernorm._kernels_for = dispatch
     gc.collect()
     torch.cuda.empty_cache()
     return rows
@@ -212,6 +220,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--graphs", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--norm", choices=["fused", "eager", "both"], default="fused",
+                        help="RMSNorm on the GPU: the fused Triton kernel, the eager ops, or both side by side")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", "bench_out")
     os.makedirs(out_dir, exist_ok=True)
@@ -226,9 +237,13 @@ def main() -> None:
         for name in args.models.split(","):
             path, params = save_random_model(name, folder)
             rows = []
+            norms = {"fused": [True], "eager": [False], "both": [True, False]}[args.norm]
             for eager in modes:
-                rows += bench_engine(path, batches, args.prompt_len, args.max_tokens, eager, results["copy_gbps"])
-            rows += bench_transformers(path, hf_batches, args.prompt_len, args.max_tokens)
+                for fused_norm in norms:
+                    rows += bench_engine(path, batches, args.prompt_len, args.max_tokens, eager, results["copy_gbps"],
+                                         fused_norm)
+            if not args.no_transformers:
+                rows += bench_transformers(path, hf_batches, args.prompt_len, args.max_tokens)
             results["models"][name] = dict(params=params, config=MODELS[name]().to_dict(), rows=rows)
     import transformers
 

@@ -43,3 +43,31 @@ def test_rejects_bad_inputs():
         fused_add_rms_norm(x, torch.randn(2, 8), torch.randn(16), EPS)
     with pytest.raises(ValueError, match="residual"):
         fused_add_rms_norm(x, torch.randn(2, 16).half(), torch.randn(16), EPS)
+
+
+def test_models_on_the_fused_norm_path_generate_the_eager_tokens(make_llama, monkeypatch):
+    """model_ops.layernorm sends GPU tensors to these kernels (the residual add written in place);
+    routed here for CPU tensors under the interpreter, a Llama stack's logprobs and greedy tokens
+    equal the eager path's."""
+    from atom_like import LLMEngine, SamplingParams
+    from model_ops import layernorm
+
+    path = make_llama()
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+    prompts = [[5, 9, 2, 7, 11], [3, 1, 4, 1, 5, 9, 2]]
+    eager = LLMEngine(path, dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
+
+    calls = {"rms_norm": 0, "fused_add_rms_norm": 0}
+    kernels = layernorm.fused_kernels()
+
+    class Counting:
+        def __getattr__(self, name):
+            calls[name] += 1
+            return getattr(kernels, name)
+
+    monkeypatch.setattr(layernorm, "_kernels_for", lambda x: Counting())
+    fused = LLMEngine(path, dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
+    assert calls["rms_norm"] > 0 and calls["fused_add_rms_norm"] > 0
+    for a, b in zip(fused, eager):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close([t.logprob for t in a.logprobs], [t.logprob for t in b.logprobs], atol=1e-4, rtol=0)
