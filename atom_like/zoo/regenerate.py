@@ -88,6 +88,20 @@ def engine_generate(target_dir, prompts: list[list[int]], max_new_tokens: int, s
     return results
 
 
+def load_for_regeneration(name_or_dir, use_engine: bool, device: str):
+    """-> (the ``target`` that ``regenerate`` takes, tokenizer, stop ids): the checkpoint folder for
+    our engine, else the transformers model loaded on ``device`` (bf16 on a GPU, fp32 on CPU)."""
+    from transformers import AutoTokenizer
+
+    from atom_like.zoo.targets import load_target, stop_token_ids, zoo_path
+
+    if not use_engine:
+        return load_target(name_or_dir, torch.bfloat16 if str(device).startswith("cuda") else torch.float32, device)
+    path = zoo_path(name_or_dir)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return path, tok, stop_token_ids(path, tok)
+
+
 def regenerate(target, tok, chats: list, stop_ids, max_new_tokens: int, batch_size: int,
                max_prompt_tokens: int, deadline: float | None):
     """-> documents ``(prompt + reply ids, mask over the reply)`` for the prompts done in time.
@@ -108,7 +122,6 @@ def regenerate(target, tok, chats: list, stop_ids, max_new_tokens: int, batch_si
 def main(argv=None):
     from atom_like.zoo.data import read_jsonl
     from atom_like.zoo.shards import write_shards
-    from atom_like.zoo.targets import load_target
 
     ap = argparse.ArgumentParser(prog="python -m atom_like.zoo.regenerate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="target folder or zoo name")
@@ -121,15 +134,17 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     ap.add_argument("--minutes", type=float, default=0, help="stop starting batches after this long")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--generator", choices=["engine", "transformers"], default=None,
+                    help="who generates (default: our engine on a GPU, transformers' generate on CPU)")
     args = ap.parse_args(argv)
     t0 = time.time()
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    target, tok, stop = load_target(args.target, dtype, args.device)
+    generator = args.generator or ("engine" if args.device.startswith("cuda") else "transformers")
+    target, tok, stop = load_for_regeneration(args.target, generator == "engine", args.device)
     chats = [r["messages"] for r in read_jsonl(Path(args.prompts))]
     chats = chats[: args.limit] if args.limit else chats
     docs = regenerate(target, tok, chats, stop, args.max_new_tokens, args.batch_size, args.max_prompt_tokens,
                       t0 + 60 * args.minutes if args.minutes else None)
-    info = write_shards(docs, Path(args.out), args.name, tok, extra={"regenerated_by": str(args.target),
+    info = write_shards(docs, Path(args.out), args.name, tok, extra={"regenerated_by": str(args.target), "generator": generator,
                         "max_new_tokens": args.max_new_tokens, "seconds": round(time.time() - t0, 1)})
     reply_tokens = sum(sum(m) for _, m in docs)
     print(f"regenerated {len(docs)} replies ({reply_tokens} tokens) in {time.time() - t0:.0f}s -> {args.out}: {info['shards']}")

@@ -127,22 +127,13 @@ def stage_tiny_target(run: Run):
 def regen_stage(run: Run, target_dir: Path, name: str, minutes: float, batch: int, max_new: int):
     """The target's greedy replies to training prompts: on a GPU through our engine (several times
     transformers' batched ``generate``; ZOO_REGEN_ENGINE=0 picks that instead)."""
-    import torch
-    from transformers import AutoTokenizer
-
     from atom_like.zoo.data import read_jsonl
-    from atom_like.zoo.regenerate import regenerate
+    from atom_like.zoo.regenerate import load_for_regeneration, regenerate
     from atom_like.zoo.shards import write_shards
-    from atom_like.zoo.targets import load_target, stop_token_ids
 
     t = time.time()
-    cuda = run.device.startswith("cuda")
-    use_engine = cuda and env("ZOO_REGEN_ENGINE", "1") == "1"
-    if use_engine:
-        target, tok = target_dir, AutoTokenizer.from_pretrained(str(target_dir))
-        stop = stop_token_ids(target_dir, tok)
-    else:
-        target, tok, stop = load_target(target_dir, torch.bfloat16 if cuda else torch.float32, run.device)
+    use_engine = run.device.startswith("cuda") and env("ZOO_REGEN_ENGINE", "1") == "1"
+    target, tok, stop = load_for_regeneration(target_dir, use_engine, run.device)
     chats = [r["messages"] for r in read_jsonl(run.stage / "regen_prompts.jsonl")]
     batch, max_new = int(env("ZOO_REGEN_BATCH", str(batch))), int(env("ZOO_REGEN_MAX_NEW", str(max_new)))
     docs = regenerate(target, tok, chats, stop, max_new, batch, 512, time.time() + 60 * minutes)
