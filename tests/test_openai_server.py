@@ -52,6 +52,18 @@ def test_default_max_tokens_fills_the_context(client, model):
     assert out.usage.completion_tokens == MAX_MODEL_LEN - 3 and out.choices[0].finish_reason == "length"
 
 
+def test_stop_token_ids(client, model):
+    """vLLM's extension: generation ends on any of these ids, which stay in the output."""
+    free = client.completions.create(model=model, prompt="w1 w2 w3", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text.split()
+    stop_id = int(free[3].removeprefix("w"))
+    cut = free[: free.index(free[3]) + 1]  # through the first occurrence of that token
+    out = client.completions.create(model=model, prompt="w1 w2 w3", max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert out.choices[0].text.split() == cut and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == len(cut)
+
+
 def test_token_id_prompts_and_batches(client, model):
     single = [client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0).choices[0].text
               for p in ([1, 2, 3], [4, 5])]

@@ -8,7 +8,7 @@ Value ranges that depend on the model (max_tokens vs the context) are checked in
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -32,6 +32,7 @@ class SamplingFields(RequestBody):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: StrictInt | None = Field(None, ge=-1)  # vLLM extension; -1 and 0 both mean off
     stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None  # vLLM extension: end on these ids
     seed: StrictInt | None = None
     n: StrictInt = Field(1, ge=1)
     stream: StrictBool = False

@@ -264,7 +264,8 @@ class OpenAIServing:
                     top_p=1.0 if body.top_p is None else body.top_p,
                     top_k=-1 if body.top_k in (None, 0) else body.top_k,
                     max_tokens=room if max_tokens is None else max_tokens,
-                    ignore_eos=body.ignore_eos, stop=body.stop, seed=body.seed, logprobs=logprobs)
+                    ignore_eos=body.ignore_eos, stop=body.stop, stop_token_ids=body.stop_token_ids, seed=body.seed,
+                    logprobs=logprobs)
             except ValueError as exc:  # pydantic checked the ranges; this is a backstop
                 raise OpenAIError(400, str(exc)) from exc
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
