@@ -71,6 +71,27 @@ def llama_path(make_llama) -> str:
     return make_llama()
 
 
+def _write_draft_config(path: str, config: dict, **flags: bool) -> str:
+    """config.json of a draft; EAGLE3.1 flags (fc_norm, use_aux_norm, norm_output) only when set,
+    as the public drafts spell them."""
+    config.update({name: True for name, on in flags.items() if on})
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    return path
+
+
+def _cached_writer(tmp_path_factory, prefix: str, write):
+    """make(target_path, **options) -> write(fresh folder, target_path, **options), once per arguments."""
+    cache: dict[str, str] = {}
+
+    def make(target_path: str, **options) -> str:
+        key = json.dumps([target_path, sorted(options.items())], default=str)
+        if key not in cache:
+            cache[key] = write(str(tmp_path_factory.mktemp(prefix)), target_path, **options)
+        return cache[key]
+
+    return make
+
+
 def write_eagle3_llama_draft(path: str, target_path: str, *, seed: int = 0, hidden_size: int | None = None,
                              draft_vocab_size: int | None = None, aux_layer_ids=None, fc_norm: bool = False,
                              legacy_aux_norm: bool = False, norm_output: bool = False, with_embed: bool = True,
@@ -117,28 +138,13 @@ def write_eagle3_llama_draft(path: str, target_path: str, *, seed: int = 0, hidd
               "max_position_embeddings": target.get("max_position_embeddings", 512), "vocab_size": vocab,
               "draft_vocab_size": dv, "target_hidden_size": ht, "tie_word_embeddings": False,
               "eagle_config": {"use_aux_hidden_state": True, **({"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)} if aux_layer_ids else {})}}
-    if fc_norm:
-        config["fc_norm"] = True
-    if legacy_aux_norm:
-        config["use_aux_norm"] = True
-    if norm_output:
-        config["norm_output"] = True
-    json.dump(config, open(os.path.join(path, "config.json"), "w"))
-    return path
+    return _write_draft_config(path, config, fc_norm=fc_norm, use_aux_norm=legacy_aux_norm, norm_output=norm_output)
 
 
 @pytest.fixture(scope="session")
 def make_eagle3_llama(tmp_path_factory):
     """Factory: make_eagle3_llama(target_path, **options of write_eagle3_llama_draft) -> folder (cached)."""
-    cache: dict[str, str] = {}
-
-    def make(target_path: str, **options) -> str:
-        key = json.dumps([target_path, sorted(options.items())], default=str)
-        if key not in cache:
-            cache[key] = write_eagle3_llama_draft(str(tmp_path_factory.mktemp("eagle3")), target_path, **options)
-        return cache[key]
-
-    return make
+    return _cached_writer(tmp_path_factory, "eagle3", write_eagle3_llama_draft)
 
 
 def write_eagle3_mla_draft(path: str, target_path: str, *, seed: int = 0, aux_layer_ids=(0, 1, 2),
@@ -202,28 +208,13 @@ def write_eagle3_mla_draft(path: str, target_path: str, *, seed: int = 0, aux_la
               "max_position_embeddings": target.get("max_position_embeddings", 512), "vocab_size": vocab,
               "draft_vocab_size": dv, "target_hidden_size": h, "tie_word_embeddings": False,
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True}}
-    if fc_norm:
-        config["fc_norm"] = True
-    if legacy_aux_norm:
-        config["use_aux_norm"] = True
-    if norm_output:
-        config["norm_output"] = True
-    json.dump(config, open(os.path.join(path, "config.json"), "w"))
-    return path
+    return _write_draft_config(path, config, fc_norm=fc_norm, use_aux_norm=legacy_aux_norm, norm_output=norm_output)
 
 
 @pytest.fixture(scope="session")
 def make_eagle3_mla(tmp_path_factory):
     """Factory: make_eagle3_mla(target_path, **options of write_eagle3_mla_draft) -> folder (cached)."""
-    cache: dict[str, str] = {}
-
-    def make(target_path: str, **options) -> str:
-        key = json.dumps([target_path, sorted(options.items())], default=str)
-        if key not in cache:
-            cache[key] = write_eagle3_mla_draft(str(tmp_path_factory.mktemp("eagle3_mla")), target_path, **options)
-        return cache[key]
-
-    return make
+    return _cached_writer(tmp_path_factory, "eagle3_mla", write_eagle3_mla_draft)
 
 
 # MLA + MoE with every routing feature on: groups (topk_group < n_group), a q LoRA, YaRN with

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -43,3 +45,10 @@ class ServerProcess(LaunchedServer):
             if predicate(value) or time.monotonic() > deadline:
                 return value
             time.sleep(0.1)
+
+
+@contextmanager
+def running_server(model: str, *args: str, log_dir: Path, api_key: str | None = None) -> Iterator[ServerProcess]:
+    """A healthy server for the duration of the block (a test module's fixture), stopped after."""
+    with ServerProcess(model, *args, log_path=Path(log_dir) / "server.log", api_key=api_key) as proc:
+        yield proc.wait_healthy()

@@ -6,19 +6,16 @@ import os
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import running_server
 
 MAX_MODEL_LEN = 128
 
 
 @pytest.fixture(scope="module")
 def server(make_llama, tmp_path_factory):
-    proc = ServerProcess(make_llama(tokenizer=True), "--max-model-len", str(MAX_MODEL_LEN),
-                         log_path=tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        yield proc.wait_healthy()
-    finally:
-        proc.stop()
+    with running_server(make_llama(tokenizer=True), "--max-model-len", str(MAX_MODEL_LEN),
+                        log_dir=tmp_path_factory.mktemp("server")) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import running_server
 
 MAX_MODEL_LEN = 64
 KEY = "sk-test"
@@ -14,12 +14,9 @@ CHAT_OK = {"messages": [{"role": "user", "content": "w1"}], "max_tokens": 3}
 
 @pytest.fixture(scope="module")
 def server(make_llama, tmp_path_factory):
-    proc = ServerProcess(make_llama(tokenizer=True), "--max-model-len", str(MAX_MODEL_LEN), api_key=KEY,
-                         log_path=tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        yield proc.wait_healthy()
-    finally:
-        proc.stop()
+    with running_server(make_llama(tokenizer=True), "--max-model-len", str(MAX_MODEL_LEN), api_key=KEY,
+                        log_dir=tmp_path_factory.mktemp("server")) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import running_server
 
 from atom_like.benchmarks import benchmark_serving
 
@@ -20,13 +20,10 @@ ABORTED = '{finished_reason="abort"}'
 
 @pytest.fixture(scope="module")
 def server(make_llama, tmp_path_factory):
-    proc = ServerProcess(make_llama(tokenizer=True), "--max-model-len", str(MAX_MODEL_LEN),
-                         "--max-num-seqs", str(MAX_NUM_SEQS), "--num-kv-blocks", "48", "--stats-interval", "1",
-                         log_path=tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        yield proc.wait_healthy()
-    finally:
-        proc.stop()
+    with running_server(make_llama(tokenizer=True), "--max-model-len", str(MAX_MODEL_LEN),
+                        "--max-num-seqs", str(MAX_NUM_SEQS), "--num-kv-blocks", "48", "--stats-interval", "1",
+                        log_dir=tmp_path_factory.mktemp("server")) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
