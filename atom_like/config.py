@@ -88,11 +88,6 @@ class EngineArgs:
                     f"({self.num_speculative_tokens} draft tokens + 1)"
                 )
 
-    @property
-    def spec_tokens(self) -> int:
-        """Draft tokens per step, 0 without speculation."""
-        return self.num_speculative_tokens if self.method else 0
-
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add every field as a flag; each accepts `--kebab-case` and `--snake_case` spellings."""

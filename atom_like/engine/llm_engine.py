@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -148,8 +147,6 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]
-        if seq.first_token_time is None and seq.num_generated:
-            seq.first_token_time = time.monotonic()
         generated = seq.generated_ids
         if request.detokenizer is not None:
             for n in range(request.num_seen, len(generated)):

@@ -30,10 +30,6 @@ class ScheduledSeq:
 class ScheduledBatch:
     seqs: list[ScheduledSeq]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens + len(s.spec_token_ids) for s in self.seqs)
-
 
 @dataclass
 class SeqStepResult:

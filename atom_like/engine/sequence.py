@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
 
 import torch
 
@@ -29,8 +28,6 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # draft tokens awaiting verification
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] = []
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
         self.num_preemptions = 0
 
     @property

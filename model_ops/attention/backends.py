@@ -129,10 +129,6 @@ if importlib.util.find_spec("triton") is not None:  # Linux wheels; without it o
     _BACKENDS[("mla", "triton")] = TritonMLABackend
 
 
-def register_backend(kind: AttentionKind, backend: type[AttentionBackend]) -> None:
-    _BACKENDS[(kind, backend.name)] = backend
-
-
 def select_backend(kind: AttentionKind, device: torch.device, role: Role, preference: str = "auto") -> AttentionBackend:
     """The backend for a layer of `kind` serving `role` on `device`: `preference` if not "auto",
     else the torch reference on CPU and the fastest registered backend on a GPU. Pure-MHA draft
