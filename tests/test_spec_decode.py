@@ -116,10 +116,15 @@ def test_stats_arithmetic(target, baseline):
 
 # ----------------------------------------------------------------------------- sampling
 
+SAMPLING_SEED = 0  # the engine's seed in the distribution test (seeds 0..19 all passed: see its docstring)
+
+
 def test_speculative_sampling_keeps_the_target_distribution(target, baseline):
     """The token after the first (verified) position, over many requests, against its exact
-    marginal computed from transformers' model: p(t2) = sum_t1 p(t1) p(t2 | t1)."""
-    from scipy import stats
+    marginal computed from transformers' model: p(t2) = sum_t1 p(t1) p(t2 | t1). Chi-square in
+    float64, p >= chi_square.P_FLOOR (1e-3). Run once over engine seeds 0..19: p from 0.053
+    (seed 0, the one kept here) to 0.90, none below 0.05."""
+    from chi_square import P_FLOOR, chi_square_pvalue
     from transformers import AutoModelForCausalLM
 
     from model_ops.sampling import SamplingTensors, processed_probs
@@ -132,21 +137,18 @@ def test_speculative_sampling_keeps_the_target_distribution(target, baseline):
         p1 = processed_probs(hf(torch.tensor([prompt])).logits[:, -1], st1)[0]
         seqs = torch.cat([torch.tensor([prompt] * 128), torch.arange(128)[:, None]], dim=1)
         p2 = processed_probs(hf(seqs).logits[:, -1], st)
-    marginal = (p1[:, None] * p2).sum(0).numpy()
+    marginal = (p1.double()[:, None] * p2.double()).sum(0).numpy()
 
     greedy_cont = {str(i): baseline[2] for i in range(n)}  # the oracle proposes the greedy path: often accepted
-    engine = LLMEngine(target, max_model_len=160, max_num_seqs=n, max_num_batched_tokens=n * 4,
+    engine = LLMEngine(target, max_model_len=160, max_num_seqs=n, max_num_batched_tokens=n * 4, seed=SAMPLING_SEED,
                        proposer_factory=lambda r: OracleProposer(greedy_cont, 2, r.vocab_size))
     outs = run(engine, [prompt] * n, SamplingParams(temperature=temp, top_p=top_p, max_tokens=2, ignore_eos=True))
     assert engine.scheduler.spec_stats.num_accepted_tokens > 0  # both branches (accept / recover) were taken
     counts = np.bincount([o[1] for o in outs], minlength=128)
     support = marginal > 0
     assert counts[~support].sum() == 0
-    expected = marginal[support] / marginal[support].sum() * n
-    keep = expected >= 5  # chi-square needs populated cells; pool the rare tail
-    f_obs = np.append(counts[support][keep], counts[support][~keep].sum())
-    f_exp = np.append(expected[keep], expected[~keep].sum())
-    assert stats.chisquare(f_obs, f_exp).pvalue > 1e-3
+    pvalue = chi_square_pvalue(counts[support], marginal[support])
+    assert pvalue >= P_FLOOR, f"chi-square p={pvalue:.2e}"
 
 
 # ----------------------------------------------------------------------------- KV pool
@@ -270,7 +272,7 @@ def test_forced_acceptance_for_benchmarks(target, make_eagle3_llama):
 @pytest.mark.parametrize("arch", ["v3", "kimi"])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_mha_draft_on_mla_target_is_lossless(make_deepseek, make_eagle3_llama, arch, k):
-    """Seed 004's case: an MLA target (DeepSeek-V3 / Kimi-K2.5) with a standard MHA EAGLE3 draft,
+    """ROCm/ATOM#631's case: an MLA target (DeepSeek-V3 / Kimi-K2.5) with a standard MHA EAGLE3 draft,
     whose own MHA pool rides the target's block ids."""
     target = make_deepseek(arch=arch)
     draft = make_eagle3_llama(target, aux_layer_ids=[0, 1, 3])  # the tiny target has 3 layers; id 3 = N
