@@ -10,16 +10,17 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from atom_like.models.config_aliases import register_config_aliases
-from model_ops.attention.backends import BACKEND_CHOICES
+from model_ops.attention.backends import check_backend_choice
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class EngineArgs:
     num_kv_blocks: int | None = field(default=None, metadata={"help": "KV-cache blocks, overriding the automatic size."})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "KV-cache dtype: auto (= model dtype)."})
     enforce_eager: bool = field(default=False, metadata={"help": "Never use CUDA/HIP graphs."})
-    attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton | aiter (auto: the torch reference on CPU, the fastest kernel on a GPU)."})
+    attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton (auto: the torch reference on CPU, the fastest kernel on a GPU); aiter is refused until its adapter lands."})
     seed: int = field(default=0, metadata={"help": "Seed for requests that bring none."})
     method: str | None = field(default=None, metadata={"help": "Speculative decoding method: eagle3 (needs --draft-model)."})
     draft_model: str | None = field(default=None, metadata={"help": "EAGLE3 draft checkpoint folder (LlamaForCausalLMEagle3 or Eagle3DeepseekV2ForCausalLM)."})
@@ -71,8 +72,7 @@ class EngineArgs:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"--num-kv-blocks must be >= 1; got {self.num_kv_blocks}")
-        if self.attention_backend not in BACKEND_CHOICES:
-            raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_CHOICES)}; got {self.attention_backend!r}")
+        check_backend_choice(self.attention_backend)
         if self.method not in (None, "eagle3"):
             raise ValueError(f"--method {self.method!r} is not supported; the only method is eagle3")
         if self.method is None and self.draft_model is not None:
@@ -121,9 +121,23 @@ _ANNOTATION_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 # ----------------------------------------------------------------------------- model config
 
-def load_model_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
-    if not os.path.isfile(os.path.join(path, "config.json")):
+def read_config_json(path: str) -> dict[str, Any]:
+    """The checkpoint's config.json as written, or a ValueError naming the file and the fault."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
         raise ValueError(f"{path!r} is not a checkpoint folder: it has no config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            stated = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}): fix it or download it again") from e
+    if not isinstance(stated, dict):
+        raise ValueError(f"{file} holds a JSON {type(stated).__name__}, not an object of config fields")
+    return stated
+
+
+def load_model_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    check_rope_scaling(read_config_json(path), f"{path}/config.json")
     register_config_aliases()
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -131,15 +145,58 @@ def load_model_config(path: str, trust_remote_code: bool = False) -> PretrainedC
         raise ValueError(f"{path}/config.json: {e}") from e
 
 
+_POSITIVE_ROPE_FIELDS = ("factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(stated: dict[str, Any], file: str) -> None:
+    """RoPE scaling numbers must be positive (transformers loads a negative factor silently)."""
+    sections = {"": stated, "text_config.": stated.get("text_config")}
+    for prefix, section in sections.items():
+        if not isinstance(section, dict):
+            continue
+        for key in ("rope_scaling", "rope_parameters"):
+            params = section.get(key)
+            # transformers 5 may nest one dict per attention type under rope_parameters
+            nested = [params] + [v for v in params.values() if isinstance(v, dict)] if isinstance(params, dict) else []
+            for entry in nested:
+                for name in _POSITIVE_ROPE_FIELDS:
+                    value = entry.get(name)
+                    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                  and math.isfinite(value) and value > 0):
+                        raise ValueError(f"{file}: {prefix}{key}.{name} is {value!r}; it must be a positive number "
+                                         "(the checkpoint's context scaling): fix it, or download the config again")
+
+
 def require_stated_fields(config: PretrainedConfig, path: str, fields: tuple[str, ...], needed_by: str) -> None:
-    """Raise, naming the field, if the checkpoint's config.json leaves out one of `fields`: its
-    config class would fill the gap with a default that describes some other model."""
-    with open(os.path.join(path, "config.json")) as f:
-        stated = json.load(f)
+    """Raise, naming the field, if the checkpoint's config.json leaves out one of `fields` (a
+    dotted name reaches into a section, e.g. Kimi's "text_config.hidden_size"): its config class
+    would fill the gap with a default that describes some other model."""
+    stated = read_config_json(path)
     for name in fields:
-        if name not in stated:
-            raise ValueError(f"{path}/config.json has no {name}, which {needed_by} needs; {type(config).__name__} "
-                             f"would default it to {getattr(config, name, None)!r}, another model's value")
+        section: Any = stated
+        for part in name.split("."):
+            section = section.get(part, _MISSING) if isinstance(section, dict) else _MISSING
+        if section is _MISSING:
+            default: Any = config
+            for part in name.split("."):
+                default = getattr(default, part, None)
+            shown = repr(default) if isinstance(default, (int, float, str, type(None))) else f"{type(default).__name__}'s defaults"
+            raise ValueError(f"{path}/config.json has no {name}, which {needed_by} needs: add it (with it missing, "
+                             f"{type(config).__name__} would fill in {shown}, another model's value)")
+
+
+_MISSING = object()
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """transformers' AutoTokenizer, failing with the folder named: a tokenizer file cut short fails
+    deep inside transformers or tokenizers (sometimes with an untyped Exception) without it."""
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # whatever the third-party loaders raise, the user needs the folder
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"the tokenizer in {path} could not be loaded ({type(e).__name__}: {reason}): "
+                         "fix or download its tokenizer files again, or pass --tokenizer DIR") from e
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:

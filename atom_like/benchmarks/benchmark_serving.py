@@ -25,7 +25,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from atom_like.config import add_flag
+from atom_like.cli import entry_point
+from atom_like.config import add_flag, load_tokenizer
 from atom_like.entrypoints.metrics import SpecSnapshot
 from atom_like.zoo import data
 
@@ -235,6 +236,7 @@ def _scrape(base_url: str) -> SpecSnapshot | None:
         return None  # a server without /metrics: report no speculation numbers
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flag(parser, "base_url", str, "http://127.0.0.1:8000", "Server address (without /v1).")
@@ -254,15 +256,17 @@ def main(argv: list[str] | None = None) -> dict:
     add_flag(parser, "save_result", str, None, "Write the summary and per-request numbers to this JSON.")
     args = parser.parse_args(argv)
 
-    from transformers import AutoTokenizer
-
-    base_url = args.base_url.rstrip("/")
-    card = httpx.get(f"{base_url}/v1/models", timeout=30).raise_for_status().json()["data"][0]
-    model = args.model or card["id"]
     tokenizer_path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
     if tokenizer_path is None:
         parser.error("--tokenizer DIR is needed to size prompts")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    base_url = args.base_url.rstrip("/")
+    try:
+        card = httpx.get(f"{base_url}/v1/models", timeout=30).raise_for_status().json()["data"][0]
+    except httpx.TransportError as exc:
+        raise ValueError(f"no server answers at --base-url {base_url} ({exc}); start one with "
+                         "python -m atom_like.entrypoints.openai_server --model DIR") from exc
+    model = args.model or card["id"]
     if args.dataset == "random":
         requests = random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                    args.random_range_ratio, args.seed)

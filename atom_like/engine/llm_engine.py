@@ -9,15 +9,17 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from atom_like.config import (EngineArgs, load_model_config, resolve_device, resolve_dtype,
-                              resolve_max_model_len, text_config)
+from atom_like.config import (EngineArgs, load_model_config, load_tokenizer, require_stated_fields, resolve_device,
+                              resolve_dtype, resolve_max_model_len, text_config)
 from atom_like.engine.block_manager import BlockManager
 from atom_like.engine.detokenizer import IncrementalDetokenizer
 from atom_like.engine.model_runner import ModelRunner, ProposerFactory
 from atom_like.engine.scheduler import Scheduler
 from atom_like.engine.sequence import Sequence
+from atom_like.loader.weights import check_checkpoint_files
+from atom_like.models.registry import target_model_class
 from atom_like.sampling_params import RequestOutput, SamplingParams
 from spec_decode.stats import SpecStats
 
@@ -43,6 +45,9 @@ class LLMEngine:
         if self.args.model is None:
             raise ValueError("no model given: pass a checkpoint folder (--model DIR)")
         self.hf_config = load_model_config(self.args.model, self.args.trust_remote_code)
+        model_class = target_model_class(self.hf_config)
+        require_stated_fields(self.hf_config, self.args.model, model_class.stated_config_fields, model_class.__name__)
+        check_checkpoint_files(self.args.model)
         self.device = resolve_device(self.args.device)
         self.dtype = resolve_dtype(self.args.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(self.args.max_model_len, self.hf_config)
@@ -66,7 +71,7 @@ class LLMEngine:
         if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
             logger.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", path)
             return None
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=self.args.trust_remote_code)
+        return load_tokenizer(path, self.args.trust_remote_code)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()

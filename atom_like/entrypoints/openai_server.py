@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from atom_like.cli import entry_point
 from atom_like.config import EngineArgs, add_flag
 from atom_like.engine.llm_engine import LLMEngine
 from atom_like.entrypoints.engine_loop import EngineLoop
@@ -149,15 +150,13 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     return app
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        engine_args = EngineArgs.from_cli_args(args)
-        engine = LLMEngine.from_engine_args(engine_args)
-    except ValueError as exc:
-        parser.exit(2, f"error: {exc}\n")
+    engine_args = EngineArgs.from_cli_args(args)
+    engine = LLMEngine.from_engine_args(engine_args)
     served_model_name = args.served_model_name or os.path.basename(os.path.normpath(engine_args.model))
     app = build_app(engine, served_model_name, args.api_key, args.stats_interval)
     logger.info("serving %r on http://%s:%d", served_model_name, args.host, args.port)

@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from atom_like.cli import entry_point
 from atom_like.config import add_flag
 from atom_like.entrypoints.launch import LaunchedServer, ServerLaunchError
 from atom_like.entrypoints.metrics import SpecSnapshot
@@ -263,6 +264,7 @@ def agreement_line(report: dict, reference: dict) -> str:
             f"same extracted answers {same_answer}/{len(pairs)}")
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flag(parser, "catalog", str, str(DEFAULT_CATALOG), "Catalog JSON.")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
@@ -58,8 +58,12 @@ def safetensors_files(folder: str) -> list[str]:
     """The shard files of a checkpoint, via model.safetensors.index.json when present."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (JSON with a weight_map of tensor -> file): "
+                             f"{type(e).__name__}: {e}; fix it or download it again") from e
     else:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     files = [os.path.join(folder, n) for n in names]
@@ -69,10 +73,30 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def iter_checkpoint(folder: str, desc: str = "Loading weights") -> Iterator[tuple[str, torch.Tensor]]:
+def open_safetensors(path: str):
+    """safe_open, failing with the file named: the library's error (e.g. "incomplete metadata")
+    does not say which shard of a checkpoint is cut short."""
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a complete safetensors file ({e}): the download or conversion was cut "
+                         "short; fetch or write this file again") from e
+
+
+def check_checkpoint_files(folder: str) -> list[str]:
+    """The shard files, each header read and checked against the file size (cheap: no tensor is
+    read), so a file cut short fails before a model is built or loaded."""
     files = safetensors_files(folder)
+    for path in files:
+        with open_safetensors(path):
+            pass
+    return files
+
+
+def iter_checkpoint(folder: str, desc: str = "Loading weights") -> Iterator[tuple[str, torch.Tensor]]:
+    files = check_checkpoint_files(folder)
     for path in tqdm(files, desc=desc, unit="shard", disable=len(files) < 2):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -81,13 +105,13 @@ def checkpoint_keys(folder: str) -> set[str]:
     """Tensor names of a checkpoint, read from the file headers only."""
     keys: set[str] = set()
     for path in safetensors_files(folder):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             keys.update(f.keys())
     return keys
 
 
 def convert_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Seed 004's rule: same-width float formats are bit-compatible encodings (fp8 variants) and
+    """ROCm/ATOM#631's rule: same-width float formats are bit-compatible encodings (fp8 variants) and
     are viewed; fp16 <-> bf16 have the same width but different ranges, so they are converted by
     value, as is every other pair."""
     if tensor.dtype == dtype:

@@ -37,6 +37,9 @@ _SKIP = (
 
 
 class KimiK25ForConditionalGeneration(CausalLM):
+    # without text_config, Kimi_K25Config would build DeepSeek-V3 671B's defaults
+    stated_config_fields = ("text_config", *(f"text_config.{f}" for f in DeepseekV3ForCausalLM.stated_config_fields))
+
     def __init__(self, config: PretrainedConfig):
         """`config` is the wrapper's config or its text_config (the engine passes the latter)."""
         super().__init__()
@@ -56,7 +59,7 @@ class KimiK25ForConditionalGeneration(CausalLM):
     # ---------------------------------------------------------------- Eagle3Target, by delegation
 
     def _eagle3_target(self) -> Eagle3Target:
-        """The language model, which must implement Eagle3Target (seed 002: say so, clearly)."""
+        """The language model, which must implement Eagle3Target (sgl-project/sglang#19689 delegates the same way: say so, clearly)."""
         if not isinstance(self.language_model, Eagle3Target):
             raise TypeError(f"{type(self).__name__} cannot be an EAGLE3 target: its language model "
                             f"{type(self.language_model).__name__} does not implement Eagle3Target "

@@ -97,7 +97,8 @@ def _spec(name: str) -> ZooModel:
     try:
         return MODELS[name]
     except KeyError:
-        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}") from None
+        raise ValueError(f"{name!r} is neither a checkpoint folder nor a zoo model; zoo models: "
+                         f"{', '.join(MODELS)}") from None
 
 
 def table() -> str:

@@ -1,8 +1,9 @@
 """Attention backends and the one place that picks a backend for a layer.
 
 A backend is the pair (KV write, paged attention) for one cache layout. The torch reference runs
-everywhere and is the oracle; faster backends (Triton on any GPU, aiter on ROCm) register here
-and are chosen by `select_backend` alone, so model code never changes when a backend is added.
+everywhere and is the oracle; faster backends (Triton on any GPU) are listed here and chosen by
+`select_backend` alone, so model code never changes when a backend is added. An aiter adapter
+(ROCm) is not written yet: `aiter` stays a visible choice that is refused at start-up, with why.
 
 MHA backends implement `MHABackend.attend`; MLA backends implement `MLABackend`, whose
 absorbed call has exactly the signature of the Triton kernel `kernels_rocm.mla_decode.
@@ -23,6 +24,19 @@ from model_ops.attention.metadata import AttentionMetadata
 AttentionKind = Literal["mha", "mla"]
 Role = Literal["target", "draft"]
 BACKEND_CHOICES = ("auto", "torch", "triton", "aiter")
+# choices users will find in ATOM's docs that this engine cannot run yet, and why
+UNAVAILABLE_BACKENDS = {
+    "aiter": "atom_like has no aiter adapter yet (it lands with the aiter integration issue, and nothing here "
+             "has run on AMD hardware); use auto, torch or triton (Triton kernels compile for ROCm too)",
+}
+
+
+def check_backend_choice(preference: str) -> None:
+    """The --attention-backend value is one this engine can run, else a ValueError saying why."""
+    if preference not in BACKEND_CHOICES:
+        raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_CHOICES)}; got {preference!r}")
+    if preference in UNAVAILABLE_BACKENDS:
+        raise ValueError(f"--attention-backend {preference} is not available: {UNAVAILABLE_BACKENDS[preference]}")
 
 
 class AttentionBackend(ABC):
@@ -104,7 +118,7 @@ class TorchMLABackend(MLABackend):
 
 
 class TritonMLABackend(MLABackend):
-    """kernels_rocm's MLA kernels (any GPU); registered only where kernels_rocm.mla_decode exists."""
+    """kernels_rocm's MLA kernels (any GPU); registered, like the MHA ones, where triton is importable."""
 
     name = "triton"
 
@@ -131,11 +145,11 @@ if importlib.util.find_spec("triton") is not None:  # Linux wheels; without it o
 
 def select_backend(kind: AttentionKind, device: torch.device, role: Role, preference: str = "auto") -> AttentionBackend:
     """The backend for a layer of `kind` serving `role` on `device`: `preference` if not "auto",
-    else the torch reference on CPU and the fastest registered backend on a GPU. Pure-MHA draft
-    layers never take aiter's paged attention: its assembly kernels read block `id & 0xFFFF` once
-    a draft pool passes 65,535 blocks (ROCm/ATOM#702, seed 004)."""
-    if preference not in BACKEND_CHOICES:
-        raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_CHOICES)}; got {preference!r}")
+    else the torch reference on CPU and the fastest registered backend on a GPU. When an aiter
+    adapter lands, pure-MHA draft layers must still not take aiter's paged attention: its
+    assembly kernels read block `id & 0xFFFF` once a draft pool passes 65,535 blocks
+    (ROCm/ATOM#702, ROCm/aiter#3062; ROCm/ATOM#631 routes those layers to Triton)."""
+    check_backend_choice(preference)
     if preference == "auto":
         order = ("torch",) if device.type == "cpu" else ("aiter", "triton", "torch")
     else:
