@@ -1,4 +1,4 @@
-"""Draft proposal: the EAGLE3 loop (seed 004; reference/eagle3_semantics.md §4.1-4.2).
+"""Draft proposal: the EAGLE3 loop (ROCm/ATOM#631, vLLM's EagleProposer; docs/eagle3_semantics.md, "The loop").
 
 After every target step that verified or prefilled tokens:
   1. First pass over ALL rows of the target step (prefill chunks, verify rows, mixed): row t

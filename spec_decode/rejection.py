@@ -1,4 +1,4 @@
-"""Verification of draft tokens against the target (reference/eagle3_semantics.md §4.4).
+"""Verification of draft tokens against the target (docs/eagle3_semantics.md, "Verification").
 
 Each sequence with n drafts brings n + 1 consecutive logits rows: row j scores the token after
 draft j (row 0: after the last verified token). Greedy rows accept a draft while it equals the

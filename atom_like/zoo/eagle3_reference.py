@@ -4,7 +4,7 @@ speculation loop that the engine's accepted counts are checked against.
 Why a reference: acceptance parity ("the engine accepts exactly what an eager loop accepts")
 needs an eager loop whose every convention is written down once. This module is that loop and
 the draft math; the trainer (``train_eagle3``) trains these very modules, so a trained draft
-and its reference are the same code. The conventions (see ../shared/reference/eagle3_semantics.md):
+and its reference are the same code. The conventions (docs/eagle3_semantics.md):
 
 * Aux hidden states are HF ``output_hidden_states[k]`` (the residual stream entering layer k;
   index 0 = embeddings) for ``k`` in ``eagle_config.eagle_aux_hidden_state_layer_ids``,

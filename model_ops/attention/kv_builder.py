@@ -1,4 +1,4 @@
-"""The KV-cache builder protocol (ATOM PR #631 / seed 004) and its paged implementation.
+"""The KV-cache builder protocol (ROCm/ATOM#631) and its paged implementation.
 
 The model runner sizes, allocates and binds the KV pool only through builders: one for the
 target's attention layers and one per draft. All builders share the block size, the block ids
