@@ -1,8 +1,10 @@
 """ModelRunner: builds and loads the model, owns the KV pool, and runs one step.
 
 The KV pool is sized, allocated and bound only through KV-cache builders (the target's, plus
-the proposer's), so this file knows no cache layout and has no draft-specific branches. One
-extra block beyond those the block manager hands out serves as scratch for padded graph rows.
+the proposer's), so this file knows no cache layout. Speculation is not hidden from it: it
+builds the proposer, verifies draft tokens before sampling and runs the draft after the
+target. One extra block beyond those the block manager hands out serves as scratch for padded
+graph rows.
 """
 from __future__ import annotations
 
@@ -31,7 +33,11 @@ from spec_decode.rejection import verify
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CACHE_BYTES = 2 << 30  # default CPU pool cap when --num-kv-blocks is not given
+# Default CPU pool when --num-kv-blocks is not given: max_num_seqs sequences of max_model_len,
+# capped at the size of the target's weights clamped to [64 MiB, 2 GiB]. CPU memory is not
+# profiled as GPU memory is, and a CPU runs few sequences at a time: a pool the size of the
+# model keeps a small model's cache small and a large one's within reach of its RAM.
+CPU_KV_CACHE_MIN_BYTES, CPU_KV_CACHE_MAX_BYTES = 64 << 20, 2 << 30
 
 ProposerFactory = Callable[["ModelRunner"], Proposer]
 
@@ -100,7 +106,13 @@ class ModelRunner:
         if self.args.num_kv_blocks is not None:
             num_blocks = self.args.num_kv_blocks
         elif self.device.type == "cpu":
-            num_blocks = min(self.args.max_num_seqs * needed, max(needed, CPU_KV_CACHE_BYTES // self.block_bytes))
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            cap = min(max(weights, CPU_KV_CACHE_MIN_BYTES), CPU_KV_CACHE_MAX_BYTES)
+            num_blocks = min(self.args.max_num_seqs * needed, max(needed, cap // self.block_bytes))
+            logger.info("KV cache on CPU sized from the model: %d blocks = %.1f MiB (cap: the weights' %.1f MiB "
+                        "clamped to [64 MiB, 2 GiB]), %.1f sequences of max_model_len %d; --num-kv-blocks overrides",
+                        num_blocks, num_blocks * self.block_bytes / 2**20, weights / 2**20, num_blocks / needed,
+                        self.max_model_len)
         else:
             num_blocks = self._profile_gpu_blocks()
         if num_blocks < needed:
