@@ -4,7 +4,11 @@ speculation loop that the engine's accepted counts are checked against.
 Why a reference: acceptance parity ("the engine accepts exactly what an eager loop accepts")
 needs an eager loop whose every convention is written down once. This module is that loop and
 the draft math; the trainer (``train_eagle3``) trains these very modules, so a trained draft
-and its reference are the same code. The conventions (docs/eagle3_semantics.md):
+and its reference are the same code. Its RMSNorm and Eagle3Draft are deliberately not the
+serving ones (model_ops.layernorm.RMSNorm, spec_decode.eagle3.Eagle3Draft): they are the
+independent oracle the paged engine draft is checked against, and they train (the serving
+RMSNorm has frozen weights and runs a Triton kernel on a GPU). Only the default aux ids are
+shared (spec_decode.aux_layers). The conventions (docs/eagle3_semantics.md):
 
 * Aux hidden states are HF ``output_hidden_states[k]`` (the residual stream entering layer k;
   index 0 = embeddings) for ``k`` in ``eagle_config.eagle_aux_hidden_state_layer_ids``,
