@@ -47,10 +47,11 @@ class EngineState:
     accepted_histogram: list[int]  # drafts with exactly n accepted, n = 0..k
 
     @classmethod
-    def read(cls, engine) -> "EngineState":
+    def read(cls, engine, num_pending: int = 0) -> "EngineState":
+        """`num_pending`: admitted requests the server has not handed to the engine yet (they wait too)."""
         scheduler, blocks = engine.scheduler, engine.block_manager
         spec = scheduler.spec_stats
-        return cls(len(scheduler.running), len(scheduler.waiting), blocks.num_free_blocks, blocks.num_blocks,
+        return cls(len(scheduler.running), len(scheduler.waiting) + num_pending, blocks.num_free_blocks, blocks.num_blocks,
                    scheduler.num_preemptions, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
                    list(spec.accepted_histogram))
 
