@@ -34,7 +34,8 @@ from atom_like.entrypoints.engine_requests import RequestBuilder, RequestLimits
 from atom_like.entrypoints.errors import OpenAIError, internal_error
 from atom_like.entrypoints.http_guards import OPEN_PATHS, RequestGuard, TimedH11Protocol
 from atom_like.entrypoints.metrics import ServerMetrics
-from atom_like.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from atom_like.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard,
+                                            ModelList)
 from atom_like.entrypoints.serving import OpenAIServing
 from atom_like.entrypoints.tokenization import TokenizerPool
 from atom_like.zoo import model_path
@@ -88,6 +89,16 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# What the OpenAPI schema promises (schemathesis checks responses against it).
+_RESPONSES = {
+    200: {"content": {"text/event-stream": {}}, "description": "the response, or with stream: server-sent events"},
+    **{code: {"model": ErrorResponse, "description": what} for code, what in (
+        (400, "the request is invalid (the error's param names the field)"), (401, "missing or wrong API key"),
+        (408, "the body did not arrive within --read-timeout"), (413, "the body exceeds --max-request-bytes"),
+        (500, "a bug of this server (logged with the request id)"), (503, "the engine failed on this request"))},
+}
+
+
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None, public_metrics: bool = False,
               max_request_bytes: int = 4 << 20, read_timeout: float = 30.0, limits: RequestLimits = RequestLimits(),
               stats_interval: float = 10.0) -> FastAPI:
@@ -128,19 +139,19 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         logger.error("request %s: internal error", request_id, exc_info=exc)
         return internal_error(request_id).response()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_RESPONSES)
     async def completions(body: CompletionRequest, raw_request: Request):
         return await serving.completions(body, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
         return await serving.chat(body, raw_request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: _RESPONSES[401]})
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "loading, or the warm-up forward failed"}})
     async def health():
         if engine_loop.ready:
             return {"status": "ok"}
@@ -148,7 +159,9 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
             return JSONResponse({"status": "error", "error": f"warm-up forward failed: {engine_loop.warmup_error}"}, 503)
         return JSONResponse({"status": "loading"}, 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
+                        401: _RESPONSES[401]})
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
