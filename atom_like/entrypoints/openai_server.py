@@ -106,7 +106,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     engine_loop = EngineLoop(engine, metrics, stats_interval)
     tokenizers = TokenizerPool(engine.tokenizer)
     builder = RequestBuilder(served_model_name, engine.max_model_len, engine.runner.vocab_size, limits)
-    serving = OpenAIServing(engine_loop, tokenizers, builder, engine.tokenizer is not None)
+    serving = OpenAIServing(engine_loop, tokenizers, builder)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -137,10 +137,8 @@ async def _guarded(generation: _Generation, events: AsyncIterator[str]) -> Async
 
 
 class OpenAIServing:
-    def __init__(self, engine_loop: EngineLoop, tokenizers: TokenizerPool, builder: RequestBuilder,
-                 has_tokenizer: bool):
+    def __init__(self, engine_loop: EngineLoop, tokenizers: TokenizerPool, builder: RequestBuilder):
         self.engine_loop, self.tokenizers, self.builder = engine_loop, tokenizers, builder
-        self.has_tokenizer = has_tokenizer
 
     @property
     def served_model_name(self) -> str:
