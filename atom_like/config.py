@@ -110,6 +110,8 @@ def add_flag(parser: argparse.ArgumentParser, name: str, type_: type | str, defa
     if short:
         spellings.insert(0, short)
     kind = type_ if isinstance(type_, type) else _ANNOTATION_TYPES[str(type_).removesuffix(" | None")]
+    if default is not None and kind is not bool:  # --help shows what leaving a flag out means
+        help = f"{help} (default: %(default)s)"
     if kind is bool:
         parser.add_argument(*spellings, dest=name, action="store_true", default=default, help=help)
     else:

@@ -30,8 +30,16 @@ def test_bad_prompt(engine, prompt, params, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),  # 0 is allowed: the prompt's forward alone (prompt_logprobs)
     (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(seed=2**64), "seed"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logit_bias={5: 101.0}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=0), "top_k"),

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from atom_like.cli import entry_point
 from atom_like.config import add_flag, load_tokenizer
 from atom_like.entrypoints.metrics import SpecSnapshot
-from atom_like.zoo import data
+from atom_like.zoo import MODELS, data, model_path
 
 
 
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flag(parser, "base_url", str, "http://127.0.0.1:8000", "Server address (without /v1).")
     add_flag(parser, "model", str, None, "Model name to send (default: the server's first model).")
-    add_flag(parser, "tokenizer", str, None, "Tokenizer folder, to size prompts and outputs (default: --model, when it is a folder).")
+    add_flag(parser, "tokenizer", str, None, "Tokenizer folder or zoo name, to size prompts and outputs (default: --model, when it is a folder).")
     parser.add_argument("--dataset", choices=["sharegpt", "random"], default="random")
     add_flag(parser, "num_prompts", int, 100, "Requests to send.")
     add_flag(parser, "request_rate", float, float("inf"), "Poisson arrival rate in requests/s (inf: all at once).")
@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer_path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
     if tokenizer_path is None:
         parser.error("--tokenizer DIR is needed to size prompts")
+    if tokenizer_path in MODELS:  # a zoo name, as the server's --model takes
+        tokenizer_path = model_path(tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_path)
     base_url = args.base_url.rstrip("/")
     try:

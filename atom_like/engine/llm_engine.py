@@ -99,6 +99,9 @@ class LLMEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        outside = [t for t in params.logit_bias if t >= self.runner.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {self.runner.vocab_size}): {outside[:5]}")
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -120,7 +123,8 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq = Sequence(request_id, ids, params, generator)
+        stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+        seq = Sequence(request_id, ids, params, generator, stop_ids)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None
         self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None, detok)
         self.scheduler.add(seq)
@@ -148,14 +152,24 @@ class LLMEngine:
         if not batch.seqs:
             return []
         results = self.runner.execute(batch)
-        return [self._output(seq) for seq in self.scheduler.update(batch, results)]
+        prompt_only = []
+        for item, result in zip(batch.seqs, results):
+            item.seq.prompt_logprobs.extend(result.prompt_logprobs)
+            if item.samples and item.seq.params.max_tokens == 0:  # it wanted the prompt forward alone
+                result.new_token_ids, result.logprobs, result.draft_token_ids = [], [], []
+                prompt_only.append(item.seq)
+        touched = self.scheduler.update(batch, results)
+        for seq in prompt_only:
+            self.scheduler.finish(seq, "length")
+        return [self._output(seq) for seq in touched]
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]
         generated = seq.generated_ids
         if request.detokenizer is not None:
             for n in range(request.num_seen, len(generated)):
-                if request.detokenizer.add(generated[n]):
+                # stop strings, like stop ids, count only from min_tokens on (as in vLLM)
+                if request.detokenizer.add(generated[n], check_stop=n + 1 >= seq.params.min_tokens):
                     del seq.token_ids[seq.num_prompt_tokens + n + 1:]
                     del seq.logprobs[n + 1:]
                     self.scheduler.finish(seq, "stop")
@@ -168,6 +182,7 @@ class LLMEngine:
             request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             text=request.detokenizer.text if request.detokenizer is not None else "", token_ids=list(generated),
             finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None else None,
         )
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -20,10 +20,10 @@ from transformers import PretrainedConfig
 
 from atom_like.config import EngineArgs, text_config
 from atom_like.engine.cuda_graph import DecodeGraphs
-from atom_like.engine.sampler import row_sampling_tensors, token_logprobs
+from atom_like.engine.sampler import row_logits_processors, row_sampling_tensors, token_logprobs
 from atom_like.engine.scheduler import ScheduledBatch, SeqStepResult
 from atom_like.engine.speculative import build_eagle3_proposer
-from atom_like.engine.step_inputs import StepInputs, batch_host_step, host_step, upload
+from atom_like.engine.step_inputs import HostStep, StepInputs, batch_host_step, host_step, upload
 from atom_like.loader.weights import iter_checkpoint, load_weights
 from atom_like.models.base import CausalLM
 from atom_like.models.registry import build_model, target_model_class
@@ -170,6 +170,8 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, step.meta)
             logits = self.model.compute_logits(hidden[step.logits_rows]) if len(host.logits_rows) else None
         results = [SeqStepResult() for _ in batch.seqs]
+        if not graphed:  # a decode graph runs no prompt
+            self._prompt_logprobs(batch, host, hidden, results)
         sampling = [i for i, n in enumerate(step.rows_per_seq) if n]
         if sampling:
             self._verify(batch, step, logits, sampling, results)
@@ -182,9 +184,11 @@ class ModelRunner:
         """Sample each sampling sequence's next token, verifying its draft tokens first if it has any."""
         items = [batch.seqs[i] for i in sampling]
         rows = [step.rows_per_seq[i] for i in sampling]
-        st = row_sampling_tensors([item.seq for item in items], rows, self.vocab_size, logits.device)
+        seqs, drafts = [item.seq for item in items], [item.spec_token_ids for item in items]
+        st = row_sampling_tensors(seqs, rows, self.vocab_size, logits.device)
+        processors = row_logits_processors(seqs, drafts, logits.shape[-1], logits.device)
         forced = self.proposer.forced_acceptance if self.proposer else None
-        verified = verify(logits, [item.spec_token_ids for item in items], st, self.generator, forced_acceptance=forced)
+        verified = verify(logits, drafts, st, self.generator, forced_acceptance=forced, processors=processors)
         starts = list(itertools.accumulate([0] + rows[:-1]))
         row_of_token = [start + j for start, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
         seq_of_token = [b for b, toks in enumerate(verified.token_ids) for _ in toks]
@@ -196,6 +200,34 @@ class ModelRunner:
             if item.seq.params.logprobs is not None:
                 results[i].logprobs = logprobs[n:n + len(toks)]
             n += len(toks)
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, host: HostStep, hidden: torch.Tensor,
+                         results: list[SeqStepResult]) -> None:
+        """Logprobs of the prompt tokens this step's chunks predict (position p scores token p + 1),
+        for sequences that ask: from this very forward's hidden states, so they are the engine's
+        own numbers. Positions already scored (before a preemption) are skipped."""
+        rows, targets, top_n, owners = [], [], [], []
+        for b, item in enumerate(batch.seqs):
+            seq = item.seq
+            if seq.params.prompt_logprobs is None:
+                continue
+            c = seq.num_computed_tokens
+            assert c <= len(seq.prompt_logprobs), "prompt logprobs need every prompt position computed (no cache hit)"
+            start, end = max(c, len(seq.prompt_logprobs)), min(c + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if start >= end:
+                continue
+            rows.extend(range(host.query_start_loc[b] + start - c, host.query_start_loc[b] + end - c))
+            targets.extend(seq.token_ids[start + 1:end + 1])
+            top_n.extend([seq.params.prompt_logprobs] * (end - start))
+            owners.append((b, end - start))
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        scored = token_logprobs(logits, torch.tensor(targets, device=hidden.device), top_n)
+        n = 0
+        for b, count in owners:
+            results[b].prompt_logprobs = scored[n:n + count]
+            n += count
 
     def _propose(self, batch: ScheduledBatch, step: StepInputs, sampling: list[int], results: list[SeqStepResult],
                  graphed: bool) -> None:

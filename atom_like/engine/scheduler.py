@@ -37,6 +37,7 @@ class SeqStepResult:
     num_accepted: int = 0  # of the verified draft tokens
     draft_token_ids: list[int] = field(default_factory=list)  # proposals for the next step
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token when asked for
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens this step scored
 
 
 class Scheduler:

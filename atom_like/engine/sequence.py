@@ -16,18 +16,20 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, stop_ids: list[int] | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.generator = generator  # per-request RNG when the request brings a seed
+        self.stop_ids = list(stop_ids or [])  # token ids that end it (what min_tokens holds back)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is valid in the cache
         self.spec_token_ids: list[int] = []  # draft tokens awaiting verification
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] = []  # for prompt tokens 1.. (with params.prompt_logprobs)
         self.num_preemptions = 0
 
     @property

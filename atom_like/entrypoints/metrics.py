@@ -47,10 +47,11 @@ class EngineState:
     accepted_histogram: list[int]  # drafts with exactly n accepted, n = 0..k
 
     @classmethod
-    def read(cls, engine) -> "EngineState":
+    def read(cls, engine, num_pending: int = 0) -> "EngineState":
+        """`num_pending`: admitted requests the server has not handed to the engine yet (they wait too)."""
         scheduler, blocks = engine.scheduler, engine.block_manager
         spec = scheduler.spec_stats
-        return cls(len(scheduler.running), len(scheduler.waiting), blocks.num_free_blocks, blocks.num_blocks,
+        return cls(len(scheduler.running), len(scheduler.waiting) + num_pending, blocks.num_free_blocks, blocks.num_blocks,
                    scheduler.num_preemptions, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
                    list(spec.accepted_histogram))
 
@@ -73,14 +74,14 @@ class ServerMetrics:
         self.requests = Counter(f"{p}request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r)
         for reason in FINISH_REASONS:
             self.requests.labels(reason)  # export zeros, so a missing series is never mistaken for a bug
-        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of requests that reached their first token.", registry=r)
-        self.generation_tokens = Counter(f"{p}generation_tokens", "Generated tokens delivered to clients.", registry=r)
+        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of (engine) requests that reached their first token; n choices count n times.", registry=r)
+        self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens generated, for every request including those later aborted.", registry=r)
         self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Arrival to first generated token.", buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(f"{p}time_per_output_token_seconds", "Mean time per generated token after the first, per request.",
                               buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "Arrival to last token.", buckets=E2E_BUCKETS, registry=r)
         self.running = Gauge(f"{p}num_requests_running", "Requests in the running batch.", registry=r)
-        self.waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for admission (including preempted ones).", registry=r)
+        self.waiting = Gauge(f"{p}num_requests_waiting", "Requests waiting: queued in the scheduler (preempted ones included) or admitted and awaiting their round-robin turn.", registry=r)
         self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", registry=r)
         self.kv_free_blocks = Gauge(f"{p}kv_cache_free_blocks", "Free KV-cache blocks.", registry=r)
         self.kv_total_blocks = Gauge(f"{p}kv_cache_total_blocks", "KV-cache blocks in the pool.", registry=r)
