@@ -1,0 +1,136 @@
+"""Triton building blocks of the MXFP4 GEMMs (`mxfp4_linear`, `mxfp4_moe`).
+
+Format (see model_ops/quant/mxfp4.py, the reference these blocks reproduce): weights are uint8
+[N, K/2], two E2M1 codes a byte with the even (first) K element in the low nibble; scales are
+uint8 E8M0 [N, K/32], value 2^(byte - 127).
+
+- Weights are dequantized in registers, never in memory. A code's 3 magnitude bits are placed
+  at fp32 bits 24..22 (exponent LSBs + top mantissa bit) and its sign at bit 31: that fp32 is
+  the E2M1 value times 2^-126 exactly, the two E2M1 subnormals (0 and 0.5) landing on fp32
+  subnormals; one multiply by 2^126 normalizes it and one by the block scale applies E8M0.
+  Three integer ops and two multiplies per element, no table, no exp2.
+- E8M0 scales are built from bits (byte << 23; byte 0 is the subnormal 2^-127, 255 is NaN):
+  exp2 flushes 2^-127 to zero on GPUs and is inexact in the Triton interpreter.
+- Activations can be quantize-dequantized on the fly with Quark's "even" scale rule, per 32
+  consecutive K elements, exactly as `qdq_mxfp4`: the kernels load an activation tile, QDQ it
+  in registers and feed it to the dot, so there is no QDQ pass over memory.
+- The dot splits K by parity instead of interleaving the two nibbles: the low nibbles of a
+  [N, K/2] byte tile are the weights of the even K columns, the high nibbles of the odd ones, so
+  acc += A[:, 0::2] @ W_lo^T + A[:, 1::2] @ W_hi^T (the activation tile is split, it is small).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MX_BLOCK = 32  # K elements per E8M0 scale
+E2M1_SUBNORMAL_SHIFT = 2.0**126  # fp32 placement of an E2M1 code is its value times 2^-126
+
+
+@triton.jit
+def e8m0_to_fp32(scale):
+    """uint8 / int32 E8M0 bytes -> fp32 2^(byte - 127), by bits (byte 0 -> 2^-127, 255 -> NaN)."""
+    b = scale.to(tl.int32)
+    bits = tl.where(b == 0, 0x00400000, b << 23)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_pair_to_fp32(packed):
+    """uint8 bytes -> (low nibble, high nibble) E2M1 values in fp32, unscaled."""
+    b = packed.to(tl.uint32)
+    lo = ((b << 28) & 0x80000000) | ((b << 22) & 0x01C00000)
+    hi = ((b << 24) & 0x80000000) | ((b << 18) & 0x01C00000)
+    return (lo.to(tl.float32, bitcast=True) * E2M1_SUBNORMAL_SHIFT,
+            hi.to(tl.float32, bitcast=True) * E2M1_SUBNORMAL_SHIFT)
+
+
+@triton.jit
+def round_to_e2m1(v):
+    """Round fp32 values (already divided by their block scale) to the E2M1 grid
+    {0, 0.5, 1, 1.5, 2, 3, 4, 6}: nearest, ties to the even code, saturating at 6.
+
+    Adding C = 2^22 / 2^23 / 2^24 rounds to a multiple of 0.5 / 1 / 2 with the FPU's
+    round-to-nearest-even, which is E2M1's spacing on [0, 2) / [2, 4) / [4, 6]; the grids nest,
+    so a value that rounds up across a boundary lands on a point of both. An even code is an
+    even multiple of its spacing, so RNE's tie rule is the "ties to even code" rule.
+    """
+    mag = tl.minimum(tl.abs(v), 6.0)
+    magic = tl.where(mag < 2.0, 4194304.0, tl.where(mag < 4.0, 8388608.0, 16777216.0))
+    rounded = (mag + magic) - magic
+    return tl.where(v < 0.0, 0.0 - rounded, rounded)  # 0 - 0 = +0: zero keeps no sign, as Quark's codes
+
+
+@triton.jit
+def qdq_mxfp4_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """MXFP4 quantize-dequantize of an fp32 [ROWS, COLS] tile (COLS a multiple of 32), per 32
+    consecutive columns, with Quark's "even" scale: amax rounded at fp32 mantissa bit 21,
+    exponent floor(log2) - 2 clamped to [-127, 127]; a block holding NaN/inf becomes NaN."""
+    blocks = tl.reshape(x, [ROWS, COLS // 32, 32])
+    amax = tl.max(tl.abs(blocks), axis=2)
+    bits = amax.to(tl.int32, bitcast=True)
+    field = ((bits + (1 << 21)) >> 23) & 0xFF
+    exponent = tl.where(field == 255, 127, tl.minimum(tl.maximum(field - 129, -127), 127))
+    finite = (bits & 0x7F800000) != 0x7F800000
+    scale = tl.where(finite, e8m0_to_fp32(exponent + 127), float("nan"))
+    inv_scale = e8m0_to_fp32(127 - exponent)  # 2^-exponent, exact (multiplying by it = dividing)
+    q = round_to_e2m1(blocks * inv_scale[:, :, None]) * scale[:, :, None]
+    return tl.reshape(q, [ROWS, COLS])
+
+
+@triton.jit
+def load_activation_pair(
+    ptrs, mask, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, DOT_DTYPE: tl.constexpr
+):
+    """Load an activation tile [ROWS, COLS] (zeros where masked), QDQ it if QUANTIZE (rounded
+    back to its own dtype, as the reference's qdq_mxfp4 returns it), and split its columns by
+    parity: (even columns, odd columns), each [ROWS, COLS // 2] in DOT_DTYPE."""
+    a = tl.load(ptrs, mask=mask, other=0.0)
+    if QUANTIZE:
+        a = qdq_mxfp4_blocks(a.to(tl.float32), ROWS, COLS).to(ptrs.dtype.element_ty)
+    even, odd = tl.split(tl.reshape(a.to(DOT_DTYPE), [ROWS, COLS // 2, 2]))
+    return even, odd
+
+
+@triton.jit
+def mxfp4_dot(
+    acc, a_even, a_odd, w_rows, s_rows, n_valid, k0, K,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """acc [M, BLOCK_N] += A[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T for MXFP4 W.
+
+    w_rows / s_rows: [BLOCK_N] pointers to the packed row / scale row of each output column
+    (int64 offsets formed by the caller); n_valid masks columns past N; K a multiple of 32.
+    """
+    groups = tl.arange(0, BLOCK_K // 32)
+    k_valid = (k0 + groups * 32) < K  # whole 32-blocks are in or out
+    byte_offs = k0 // 2 + groups[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16]
+    mask = n_valid[:, None, None] & k_valid[None, :, None]
+    packed = tl.load(w_rows[:, None, None] + byte_offs[None, :, :], mask=mask, other=0)
+    scale = e8m0_to_fp32(tl.load(s_rows[:, None] + k0 // 32 + groups[None, :],
+                                 mask=n_valid[:, None] & k_valid[None, :], other=127))
+    lo, hi = e2m1_pair_to_fp32(packed)
+    w_even = tl.reshape((lo * scale[:, :, None]).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
+    w_odd = tl.reshape((hi * scale[:, :, None]).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
+    acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision=DOT_PRECISION)
+    return tl.dot(a_odd, tl.trans(w_odd), acc, input_precision=DOT_PRECISION)
+
+
+def check_mxfp4_weight(name: str, weight, scale, scale_name: str, k: int | None = None) -> None:
+    """Raise ValueError unless weight [..., K/2] and scale [..., K/32] are uint8 and agree."""
+    for n, t in ((name, weight), (scale_name, scale)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+            raise ValueError(f"{n} must be a uint8 tensor (MXFP4 packed bytes / E8M0 scales), "
+                             f"got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{n} must be contiguous in its last dim, got strides {t.stride()}")
+    if weight.shape[:-1] != scale.shape[:-1] or weight.shape[-1] * 2 != scale.shape[-1] * MX_BLOCK:
+        raise ValueError(
+            f"{scale_name} shape {tuple(scale.shape)} does not match {name} shape {tuple(weight.shape)}: "
+            f"expected [..., {weight.shape[-1] * 2 // MX_BLOCK}] (one E8M0 byte per 32 K elements)"
+        )
+    if k is not None and weight.shape[-1] * 2 != k:
+        raise ValueError(f"{name} shape {tuple(weight.shape)} packs {weight.shape[-1] * 2} K elements, "
+                         f"the input has {k}")
