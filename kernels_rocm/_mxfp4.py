@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 MX_BLOCK = 32  # K elements per E8M0 scale
-E2M1_SUBNORMAL_SHIFT = 2.0**126  # fp32 placement of an E2M1 code is its value times 2^-126
+E2M1_SUBNORMAL_SHIFT = tl.constexpr(2.0**126)  # fp32 placement of an E2M1 code is its value times 2^-126
 
 
 @triton.jit
@@ -81,39 +81,39 @@ def qdq_mxfp4_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def load_activation_pair(
+def load_activation(
     ptrs, mask, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, DOT_DTYPE: tl.constexpr
 ):
-    """Load an activation tile [ROWS, COLS] (zeros where masked), QDQ it if QUANTIZE (rounded
-    back to its own dtype, as the reference's qdq_mxfp4 returns it), and split its columns by
-    parity: (even columns, odd columns), each [ROWS, COLS // 2] in DOT_DTYPE."""
+    """Load an activation tile [ROWS, COLS] (zeros where masked) in DOT_DTYPE, QDQ'd if QUANTIZE
+    (and rounded back to its own dtype, as the reference's qdq_mxfp4 returns it)."""
     a = tl.load(ptrs, mask=mask, other=0.0)
     if QUANTIZE:
         a = qdq_mxfp4_blocks(a.to(tl.float32), ROWS, COLS).to(ptrs.dtype.element_ty)
-    even, odd = tl.split(tl.reshape(a.to(DOT_DTYPE), [ROWS, COLS // 2, 2]))
-    return even, odd
+    return a.to(DOT_DTYPE)
 
 
 @triton.jit
 def mxfp4_dot(
-    acc, a_even, a_odd, w_rows, s_rows, n_valid, k0, K,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    acc, a, w_rows, s_rows, n_valid, k0, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """acc [M, BLOCK_N] += A[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T for MXFP4 W.
+    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T for MXFP4 W.
 
     w_rows / s_rows: [BLOCK_N] pointers to the packed row / scale row of each output column
     (int64 offsets formed by the caller); n_valid masks columns past N; K a multiple of 32.
     """
     groups = tl.arange(0, BLOCK_K // 32)
     k_valid = (k0 + groups * 32) < K  # whole 32-blocks are in or out
+    scale = e8m0_to_fp32(tl.load(s_rows[:, None] + k0 // 32 + groups[None, :],
+                                 mask=n_valid[:, None] & k_valid[None, :], other=127))
     byte_offs = k0 // 2 + groups[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16]
     mask = n_valid[:, None, None] & k_valid[None, :, None]
     packed = tl.load(w_rows[:, None, None] + byte_offs[None, :, :], mask=mask, other=0)
-    scale = e8m0_to_fp32(tl.load(s_rows[:, None] + k0 // 32 + groups[None, :],
-                                 mask=n_valid[:, None] & k_valid[None, :], other=127))
     lo, hi = e2m1_pair_to_fp32(packed)
     w_even = tl.reshape((lo * scale[:, :, None]).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
     w_odd = tl.reshape((hi * scale[:, :, None]).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
+    a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
     acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision=DOT_PRECISION)
     return tl.dot(a_odd, tl.trans(w_odd), acc, input_precision=DOT_PRECISION)
 

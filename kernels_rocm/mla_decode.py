@@ -120,14 +120,13 @@ def _mla_attention_kernel(
         k_pe = tl.load(
             kv_row[:, None] + LATENT_DIM + offs_r[None, :], mask=pos_valid[:, None] & r_valid[None, :], other=0.0
         )
-        if FP8 or UPCAST:
-            c_kv = c_kv.to(q_lat.dtype)
-            k_pe = k_pe.to(q_lat.dtype)
-        scores = tl.dot(q_lat, tl.trans(c_kv), input_precision=DOT_PRECISION)
-        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION) * qk_scale
+        # Each dot upcasts its own operand (for fp8 caches): a conversion feeding a dot directly
+        # is done as the operand is read, instead of holding an upcast copy of the whole tile.
+        scores = tl.dot(q_lat, tl.trans(c_kv).to(q_lat.dtype), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_pe, tl.trans(k_pe).to(q_lat.dtype), scores, input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(pos[None, :] <= last_visible[:, None], scores, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q_lat.dtype), c_kv.to(q_lat.dtype), input_precision=DOT_PRECISION)
 
     if FP8:
         acc = acc * tl.load(kv_scale_ptr)
@@ -137,6 +136,15 @@ def _mla_attention_kernel(
         part_acc_ptr, part_max_ptr, part_sum_ptr, num_heads,
         LATENT_DIM, LATENT_PAD, NUM_SEGMENTS,
     )
+
+
+def launch_options(fp8: bool) -> tuple[int, int, int]:
+    """(KV tokens per tile, warps, pipeline stages). ROCm: a 32 x 576 bf16 tile per stage
+    overflows MI300's 64 KB LDS. fp8 on CUDA: with 4 warps the upcast tile and the q operands
+    held in registers spill (255 registers); 8 warps fit in 216."""
+    if IS_HIP:
+        return 16, 4, 1
+    return (32, 8, 2) if fp8 else (32, 4, 2)
 
 
 def _check_inputs(
@@ -205,6 +213,7 @@ def mla_paged_attention(
         num_kv_splits, active_programs, max_query_len, max_context_len, out, latent_pad
     )
 
+    tile_n, num_warps, num_stages = launch_options(fp8)
     grid = (num_tokens // block_q + num_seqs, head_groups, num_kv_splits)
     _mla_attention_kernel[grid](
         q_latent, q_pe, kv_cache, out, kv_scale if fp8 else q_latent,
@@ -220,11 +229,11 @@ def mla_paged_attention(
         LATENT_DIM=latent_dim, LATENT_PAD=latent_pad,
         ROPE_DIM=rope_dim, ROPE_PAD=rope_pad,
         BLOCK_SIZE=block_size,
-        TILE_N=16 if IS_HIP else 32,  # a 32 x 576 bf16 tile per stage overflows MI300's 64 KB LDS
+        TILE_N=tile_n,
         NUM_SEGMENTS=num_kv_splits,
         FP8=fp8, UPCAST=UPCAST_DOT, DOT_PRECISION=dot_precision(q_latent.dtype),
-        num_warps=4,
-        num_stages=1 if IS_HIP else 2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split is not None:
         split.merge_into(out, latent_dim)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_rocm._mxfp4 import MX_BLOCK, check_mxfp4_weight, load_activation_pair, mxfp4_dot
+from kernels_rocm._mxfp4 import MX_BLOCK, check_mxfp4_weight, load_activation, mxfp4_dot
 from kernels_rocm._util import (
     IS_HIP,
     SUPPORTED_DTYPES,
@@ -102,12 +102,12 @@ def _mxfp4_linear_kernel(
     first, last = split_k_range(K, split, BLOCK_K, SPLIT_K)
     for tile in range(first, last):
         k0 = tile * BLOCK_K
-        a_even, a_odd = load_activation_pair(
+        a = load_activation(
             x_rows + k0 + offs_k[None, :], m_valid[:, None] & (k0 + offs_k < K)[None, :],
             QUANTIZE, BLOCK_M, BLOCK_K, DOT_DTYPE,
         )
-        acc = mxfp4_dot(acc, a_even, a_odd, w_rows, s_rows, n_valid, k0, K,
-                        BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+        acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
 
     mask = m_valid[:, None] & n_valid[None, :]
     if SPLIT_K == 1:

@@ -31,7 +31,7 @@ import triton.language as tl
 from kernels_rocm._mxfp4 import (
     MX_BLOCK,
     check_mxfp4_weight,
-    load_activation_pair,
+    load_activation,
     mxfp4_dot,
     qdq_mxfp4_blocks,
 )
@@ -114,15 +114,15 @@ def _mxfp4_moe_gemm_kernel(
     first, last = split_k_range(K, split, BLOCK_K, SPLIT_K)
     for tile in range(first, last):
         k0 = tile * BLOCK_K
-        a_even, a_odd = load_activation_pair(
+        a = load_activation(
             a_rows + k0 + offs_k[None, :], pair_valid[:, None] & (k0 + offs_k < K)[None, :],
             QUANTIZE, BLOCK_M, BLOCK_K, DOT_DTYPE,
         )
-        acc = mxfp4_dot(acc, a_even, a_odd, w_rows, s_rows, n_valid, k0, K,
-                        BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+        acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
         if GATE_UP:
-            acc_up = mxfp4_dot(acc_up, a_even, a_odd, w_rows + N * stride_wn, s_rows + N * stride_sn,
-                               n_valid, k0, K, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+            acc_up = mxfp4_dot(acc_up, a, w_rows + N * stride_wn, s_rows + N * stride_sn, n_valid, k0, K,
+                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
 
     mask = pair_valid[:, None] & n_valid[None, :]
     if SPLIT_K > 1:
