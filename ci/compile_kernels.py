@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -102,18 +103,17 @@ def _mla(heads, seqs, q_len, ctx, splits, block_size=16, kv_dtype=None):
 
 def _mxfp4_linear(m, n, k, quantize, split=None):
     config = None
-    if split is not None:
-        config = mxfp4_linear_mod.GemmConfig(16 if m <= 16 else 64, 64, 128, split, num_stages=3)
+    if split is not None:  # the default tiles with a forced split (meta tensors see 4 compute units)
+        config = dataclasses.replace(mxfp4_linear_mod.default_config(m, n, k, torch.device("meta")), split_k=split)
     mxfp4_linear_mod.mxfp4_linear(_t(m, k), _t(n, k // 2, dtype=torch.uint8), _t(n, k // 32, dtype=torch.uint8),
                                   quantize_activations=quantize, config=config)
 
 
 def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None):
     config = None
-    if split is not None:
-        block_m = fused_moe_mod.choose_block_m(tokens * top_k, experts)
-        config = mxfp4_moe_mod.MoeConfig(mxfp4_linear_mod.GemmConfig(block_m, 32, 128, split, num_stages=3),
-                                         mxfp4_linear_mod.GemmConfig(block_m, 64, 128, 1, num_stages=3))
+    if split is not None:  # the default tiles with a forced GEMM 1 split
+        config = mxfp4_moe_mod.default_config(tokens, top_k, experts, hidden, inter, torch.device("meta"))
+        config = dataclasses.replace(config, gate_up=dataclasses.replace(config.gate_up, split_k=split))
     u8 = torch.uint8
     mxfp4_moe_mod.fused_moe_mxfp4(
         _t(tokens, hidden), _t(experts, 2 * inter, hidden // 2, dtype=u8), _t(experts, 2 * inter, hidden // 32, dtype=u8),

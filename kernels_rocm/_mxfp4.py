@@ -48,19 +48,81 @@ def e2m1_pair_to_fp32(packed):
 
 
 @triton.jit
+def e8m0_to_bf16(scale):
+    """uint8 E8M0 bytes -> bf16 2^(byte - 127) by bits (bf16 has fp32's exponent range: byte 0 is
+    the bf16 subnormal 0x0040, 255 is NaN)."""
+    b = scale.to(tl.int32)
+    bits = tl.where(b == 0, 0x0040, b << 7)
+    bits = tl.where(b == 255, 0x7FC0, bits)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1_pair_to_bf16_ptx(packed):
+    """CUDA fast path of `e2m1_pair_to_fp32` for bf16 dots: 4 packed bytes per 32-bit register
+    give (low nibbles, high nibbles) as exact bf16 E2M1 values, two per instruction.
+
+    Per pair of bytes: prmt spreads them into the two 16-bit halves, then the same placement as
+    the fp32 path at bf16 positions (magnitude bits at 8..6, sign at 15: the E2M1 value times
+    2^-126, subnormal for codes 0 and 0.5) in one shift-shift-or-and, and one bf16x2 fma by
+    2^126 (with -0.0 added, i.e. an exact multiply; fma.bf16x2 exists from sm_80, keeps
+    subnormals). High nibbles: the same after shifting the word right by 4; the neighbouring
+    nibble that lands in each byte's top half is masked away.
+    """
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 zero, bias, nzero, u, t, s;
+        mov.b32 zero, 0;
+        mov.b32 bias, 0x7E807E80;
+        mov.b32 nzero, 0x80008000;
+        prmt.b32 t, $4, zero, 0x4140;
+        shl.b32 s, t, 6;
+        shl.b32 t, t, 12;
+        or.b32 t, t, s;
+        and.b32 t, t, 0x81C081C0;
+        fma.rn.bf16x2 $0, t, bias, nzero;
+        prmt.b32 t, $4, zero, 0x4342;
+        shl.b32 s, t, 6;
+        shl.b32 t, t, 12;
+        or.b32 t, t, s;
+        and.b32 t, t, 0x81C081C0;
+        fma.rn.bf16x2 $1, t, bias, nzero;
+        shr.b32 u, $4, 4;
+        prmt.b32 t, u, zero, 0x4140;
+        shl.b32 s, t, 6;
+        shl.b32 t, t, 12;
+        or.b32 t, t, s;
+        and.b32 t, t, 0x81C081C0;
+        fma.rn.bf16x2 $2, t, bias, nzero;
+        prmt.b32 t, u, zero, 0x4342;
+        shl.b32 s, t, 6;
+        shl.b32 t, t, 12;
+        or.b32 t, t, s;
+        and.b32 t, t, 0x81C081C0;
+        fma.rn.bf16x2 $3, t, bias, nzero;
+        }""",
+        "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+    )
+
+
+@triton.jit
 def round_to_e2m1(v):
-    """Round fp32 values (already divided by their block scale) to the E2M1 grid
-    {0, 0.5, 1, 1.5, 2, 3, 4, 6}: nearest, ties to the even code, saturating at 6.
+    """Round fp32 values already divided by their "even" block scale to the E2M1 grid
+    {0, 0.5, 1, 1.5, 2, 3, 4, 6}: nearest, ties to the even code.
 
     Adding C = 2^22 / 2^23 / 2^24 rounds to a multiple of 0.5 / 1 / 2 with the FPU's
-    round-to-nearest-even, which is E2M1's spacing on [0, 2) / [2, 4) / [4, 6]; the grids nest,
-    so a value that rounds up across a boundary lands on a point of both. An even code is an
-    even multiple of its spacing, so RNE's tie rule is the "ties to even code" rule.
+    round-to-nearest-even, which is E2M1's spacing on [0, 2) / [2, 4) / [4, 8); the grids nest,
+    so a value that rounds up across a boundary lands on a point of both, and an even code is an
+    even multiple of its spacing, so RNE's tie rule is the "ties to even code" rule. No value
+    reaches 7 (the even rule moves a block whose amax is >= 1.75 * 2^n up to scale 2^(n-1)), so
+    (6, 7) rounds to 6 and saturation needs no extra step. The sign is copied by bits: a
+    negative value that rounds to zero gives -0, which the reference writes as +0 (equal values).
     """
-    mag = tl.minimum(tl.abs(v), 6.0)
+    mag = tl.abs(v)
     magic = tl.where(mag < 2.0, 4194304.0, tl.where(mag < 4.0, 8388608.0, 16777216.0))
     rounded = (mag + magic) - magic
-    return tl.where(v < 0.0, 0.0 - rounded, rounded)  # 0 - 0 = +0: zero keeps no sign, as Quark's codes
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+    return (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -96,23 +158,30 @@ def load_activation(
 def mxfp4_dot(
     acc, a, w_rows, s_rows, n_valid, k0, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
 ):
     """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T for MXFP4 W.
 
     w_rows / s_rows: [BLOCK_N] pointers to the packed row / scale row of each output column
     (int64 offsets formed by the caller); n_valid masks columns past N; K a multiple of 32.
+    PTX_DECODE (compiled CUDA, bf16 dots) decodes with `e2m1_pair_to_bf16_ptx` and scales in
+    bf16 (exact: a power of two times an E2M1 value stays in bf16's fp32-sized range).
     """
     groups = tl.arange(0, BLOCK_K // 32)
     k_valid = (k0 + groups * 32) < K  # whole 32-blocks are in or out
-    scale = e8m0_to_fp32(tl.load(s_rows[:, None] + k0 // 32 + groups[None, :],
-                                 mask=n_valid[:, None] & k_valid[None, :], other=127))
+    scale_bytes = tl.load(s_rows[:, None] + k0 // 32 + groups[None, :],
+                          mask=n_valid[:, None] & k_valid[None, :], other=127)
     byte_offs = k0 // 2 + groups[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16]
     mask = n_valid[:, None, None] & k_valid[None, :, None]
     packed = tl.load(w_rows[:, None, None] + byte_offs[None, :, :], mask=mask, other=0)
-    lo, hi = e2m1_pair_to_fp32(packed)
-    w_even = tl.reshape((lo * scale[:, :, None]).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
-    w_odd = tl.reshape((hi * scale[:, :, None]).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
+    if PTX_DECODE:
+        scale = e8m0_to_bf16(scale_bytes)[:, :, None]
+        lo, hi = e2m1_pair_to_bf16_ptx(packed)
+    else:
+        scale = e8m0_to_fp32(scale_bytes)[:, :, None]
+        lo, hi = e2m1_pair_to_fp32(packed)
+    w_even = tl.reshape((lo * scale).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
+    w_odd = tl.reshape((hi * scale).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
     a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
     acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision=DOT_PRECISION)
     return tl.dot(a_odd, tl.trans(w_odd), acc, input_precision=DOT_PRECISION)

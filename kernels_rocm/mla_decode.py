@@ -11,7 +11,8 @@ prefix and mixed batches use the same causal rule and the same q-block / split-K
 MHA kernel (see `_attention_common`). Cache offsets are int64 (block ids >= 65,536 are safe).
 
 An fp8 cache (one fp32 scale for the whole latent row) is read as fp8, half the bytes of bf16,
-and upcast to q's dtype; the scale multiplies the scores and the output instead of every element.
+and upcast exactly to fp16 for the dots (q and the probabilities too, fp32 accumulation); the
+scale multiplies the scores and the output instead of every element.
 """
 from __future__ import annotations
 
@@ -98,6 +99,9 @@ def _mla_attention_kernel(
     if UPCAST:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
+    elif FP8:  # fp16 dots: e4m3 -> fp16 is one exact conversion per two elements, -> bf16 is not
+        q_lat = q_lat.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
     if FP8:
         qk_scale = qk_scale * tl.load(kv_scale_ptr)
 
@@ -120,13 +124,13 @@ def _mla_attention_kernel(
         k_pe = tl.load(
             kv_row[:, None] + LATENT_DIM + offs_r[None, :], mask=pos_valid[:, None] & r_valid[None, :], other=0.0
         )
-        # Each dot upcasts its own operand (for fp8 caches): a conversion feeding a dot directly
-        # is done as the operand is read, instead of holding an upcast copy of the whole tile.
-        scores = tl.dot(q_lat, tl.trans(c_kv).to(q_lat.dtype), input_precision=DOT_PRECISION)
-        scores = tl.dot(q_pe, tl.trans(k_pe).to(q_lat.dtype), scores, input_precision=DOT_PRECISION) * qk_scale
+        c_kv = c_kv.to(q_lat.dtype)
+        k_pe = k_pe.to(q_lat.dtype)
+        scores = tl.dot(q_lat, tl.trans(c_kv), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(pos[None, :] <= last_visible[:, None], scores, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q_lat.dtype), c_kv.to(q_lat.dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q_lat.dtype), c_kv, input_precision=DOT_PRECISION)
 
     if FP8:
         acc = acc * tl.load(kv_scale_ptr)
@@ -140,10 +144,10 @@ def _mla_attention_kernel(
 
 def launch_options(fp8: bool) -> tuple[int, int, int]:
     """(KV tokens per tile, warps, pipeline stages). ROCm: a 32 x 576 bf16 tile per stage
-    overflows MI300's 64 KB LDS. fp8 on CUDA: with 4 warps the upcast tile and the q operands
-    held in registers spill (255 registers); 8 warps fit in 216."""
+    overflows MI300's 64 KB LDS. fp8: with 4 warps the upcast operands spill (255 registers on
+    sm_90, VGPRs on gfx950); 8 warps fit (about 210 / 190)."""
     if IS_HIP:
-        return 16, 4, 1
+        return (16, 8, 1) if fp8 else (16, 4, 1)
     return (32, 8, 2) if fp8 else (32, 4, 2)
 
 
@@ -231,7 +235,8 @@ def mla_paged_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         NUM_SEGMENTS=num_kv_splits,
-        FP8=fp8, UPCAST=UPCAST_DOT, DOT_PRECISION=dot_precision(q_latent.dtype),
+        FP8=fp8, UPCAST=UPCAST_DOT,
+        DOT_PRECISION=dot_precision(torch.float16 if fp8 and not UPCAST_DOT else q_latent.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -48,6 +48,12 @@ def dot_dtype(x_dtype: torch.dtype) -> tl.dtype:
     return tl.bfloat16 if x_dtype == torch.bfloat16 else tl.float16
 
 
+def ptx_decode(x_dtype: torch.dtype) -> bool:
+    """Decode weights with the CUDA PTX routine: compiled for NVIDIA with bf16 dots. ROCm and the
+    interpreter use the portable Triton decode (same values)."""
+    return not IS_HIP and not UPCAST_DOT and x_dtype == torch.bfloat16
+
+
 def choose_split_k(tiles: int, k: int, block_k: int, device: torch.device) -> int:
     """Power-of-two K split from shapes only: grow while the grid is under
     PROGRAMS_PER_COMPUTE_UNIT programs per SM/CU and every split keeps >= 2 K tiles."""
@@ -62,7 +68,7 @@ def choose_split_k(tiles: int, k: int, block_k: int, device: torch.device) -> in
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64
-    block_k = 128
+    block_k = 64 if IS_HIP else 128  # 128 spills a few VGPRs on gfx942
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = choose_split_k(tiles, k, block_k, device)
     return GemmConfig(block_m, block_n, block_k, split, num_warps=4, num_stages=2 if IS_HIP else 3)
@@ -84,7 +90,7 @@ def _mxfp4_linear_kernel(
     stride_xm: tl.int64, stride_wn: tl.int64, stride_sn: tl.int64, stride_om: tl.int64,
     HAS_BIAS: tl.constexpr, QUANTIZE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -107,7 +113,7 @@ def _mxfp4_linear_kernel(
             QUANTIZE, BLOCK_M, BLOCK_K, DOT_DTYPE,
         )
         acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
-                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
 
     mask = m_valid[:, None] & n_valid[None, :]
     if SPLIT_K == 1:
@@ -185,7 +191,7 @@ def mxfp4_linear(
         x.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, QUANTIZE=quantize_activations, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_DTYPE=dot_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
+        DOT_DTYPE=dot_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype), PTX_DECODE=ptx_decode(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:

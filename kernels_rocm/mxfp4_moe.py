@@ -44,7 +44,7 @@ from kernels_rocm._util import (
     dot_precision,
 )
 from kernels_rocm.fused_moe import choose_block_m, moe_align_block_size
-from kernels_rocm.mxfp4_linear import GemmConfig, choose_split_k, dot_dtype, split_k_range
+from kernels_rocm.mxfp4_linear import GemmConfig, choose_split_k, dot_dtype, ptx_decode, split_k_range
 
 
 @dataclass(frozen=True)
@@ -57,15 +57,18 @@ class MoeConfig:
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                    device: torch.device) -> MoeConfig:
+    """Tiles measured best on an H100 (ci/bench_mxfp4.py --sweep): 64 gate + 64 up rows per
+    GEMM 1 program (each activation tile is loaded and QDQ'd for more weight rows), 64 output
+    columns per GEMM 2 program, K tiles of 128; GEMM 1 split along K while the grid is small."""
     num_pairs = num_tokens * top_k
     block_m = choose_block_m(num_pairs, num_experts)
     stages = 2 if IS_HIP else 3
     # M blocks in use: about one per expert hit while experts get <= block_m pairs each
     m_blocks = min(triton.cdiv(num_pairs, block_m) + num_experts, num_pairs)
-    gate_up_tiles = m_blocks * triton.cdiv(inter, 32)
+    gate_up_tiles = m_blocks * triton.cdiv(inter, 64)
     split = choose_split_k(gate_up_tiles, hidden, 128, device)
     return MoeConfig(
-        gate_up=GemmConfig(block_m, 32, 128, split, num_warps=4, num_stages=stages),
+        gate_up=GemmConfig(block_m, 64, 128, split, num_warps=4, num_stages=stages),
         down=GemmConfig(block_m, 64, 128, 1, num_warps=4, num_stages=stages),
     )
 
@@ -92,7 +95,7 @@ def _mxfp4_moe_gemm_kernel(
     QUANTIZE: tl.constexpr,  # QDQ the activation tile on load and h in the GATE_UP epilogue
     SPLIT_K: tl.constexpr,  # > 1: write fp32 partials [SPLIT_K, num_pairs, 2N] (GATE_UP only)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -119,10 +122,10 @@ def _mxfp4_moe_gemm_kernel(
             QUANTIZE, BLOCK_M, BLOCK_K, DOT_DTYPE,
         )
         acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
-                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
         if GATE_UP:
             acc_up = mxfp4_dot(acc_up, a, w_rows + N * stride_wn, s_rows + N * stride_sn, n_valid, k0, K,
-                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
 
     mask = pair_valid[:, None] & n_valid[None, :]
     if SPLIT_K > 1:
@@ -178,7 +181,7 @@ def _launch_gemm(
         A_ROWS_PER_PAIR_DIV=a_rows_per_pair_div, GATE_UP=gate_up, MUL_ROUTED_WEIGHT=not gate_up,
         QUANTIZE=quantize, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_DTYPE=dot_dtype(a.dtype), DOT_PRECISION=dot_precision(a.dtype),
+        DOT_DTYPE=dot_dtype(a.dtype), DOT_PRECISION=dot_precision(a.dtype), PTX_DECODE=ptx_decode(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:

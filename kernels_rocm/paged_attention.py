@@ -10,9 +10,10 @@ Every cache offset is int64: block ids are loaded as int32 and widened before th
 which is what keeps block ids >= 65,536 with a 32 KiB block stride (and pools past 4 GiB) right.
 
 FP8 caches (e4m3fn / e4m3fnuz, one fp32 scale per K and per V cache, see kv_cache) are read as
-fp8 and upcast to q's dtype for the dots; the scales are applied to the scores (k_scale joins
-the softmax scale) and to the output (v_scale), which is the same math as dequantizing every
-element, done once per row instead of once per cache element.
+fp8 and upcast exactly to fp16 for the dots (q and the probabilities too; fp32 accumulation);
+the scales are applied to the scores (k_scale joins the softmax scale) and to the output
+(v_scale), which is the same math as dequantizing every element, done once per row instead of
+once per cache element.
 """
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ def _paged_attention_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    elif FP8:  # fp16 dots: e4m3 -> fp16 is one exact conversion per two elements, -> bf16 is not
+        q = q.to(tl.float16)
     if FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
 
@@ -223,7 +226,8 @@ def paged_attention(
         HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE_N=32,
         NUM_SEGMENTS=num_kv_splits,
-        FP8=fp8, UPCAST=UPCAST_DOT, DOT_PRECISION=dot_precision(q.dtype),
+        FP8=fp8, UPCAST=UPCAST_DOT,
+        DOT_PRECISION=dot_precision(torch.float16 if fp8 and not UPCAST_DOT else q.dtype),
         num_warps=8 if block_m >= 64 else 4,
         num_stages=1 if IS_HIP else 2,
     )

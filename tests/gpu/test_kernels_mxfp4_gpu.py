@@ -16,8 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from _kernel_cases import make_metadata, metadata_args  # tests/ is on sys.path via tests/conftest.py
+from kernels_rocm._mxfp4 import e2m1_pair_to_bf16_ptx, e8m0_to_bf16
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache
 from kernels_rocm.mla_decode import mla_paged_attention
 from kernels_rocm.mxfp4_linear import mxfp4_linear
@@ -103,6 +106,31 @@ def test_e8m0_bytes_0_and_254_compiled():
     ref = x @ dequantize_mxfp4(packed, scale).T
     out = mxfp4_linear(x, packed, scale, None, quantize_activations=False)
     assert_rel_close(out, ref, tol=1e-5)
+
+
+@triton.jit
+def _decode_probe_kernel(packed_ptr, scale_ptr, out_ptr):
+    """One 32-element block per program: the CUDA decode + bf16 scaling the GEMMs use."""
+    row = tl.program_id(0)
+    packed = tl.load(packed_ptr + row * 16 + tl.arange(0, 16))
+    lo, hi = e2m1_pair_to_bf16_ptx(packed)
+    scale = e8m0_to_bf16(tl.load(scale_ptr + row))
+    tl.store(out_ptr + row * 32 + tl.arange(0, 32), tl.interleave(lo * scale, hi * scale))
+
+
+@pytest.mark.skipif(torch.version.hip is not None, reason="the PTX decode is the CUDA path")
+def test_ptx_decode_is_exact_for_every_byte_and_scale():
+    """Every packed byte (both nibbles, each byte position of a 32-bit word) under every E8M0
+    byte 0..254 equals dequantize_mxfp4 rounded to bf16 bit for bit (2^-127 subnormals, inf past
+    bf16's range included)."""
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(16, 16)
+    scales = torch.arange(255, dtype=torch.uint8, device=DEVICE)
+    packed = codes.repeat(255, 1)  # [255 * 16, 16]
+    scale = scales.repeat_interleave(16)[:, None]  # [255 * 16, 1]
+    out = torch.empty(packed.shape[0], 32, dtype=torch.bfloat16, device=DEVICE)
+    _decode_probe_kernel[(packed.shape[0],)](packed, scale, out)
+    expected = dequantize_mxfp4(packed, scale).bfloat16()
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
 
 
 LINEAR_SHAPES = {"shared_gate_up_tp8": (512, 7168), "shared_down_tp8": (7168, 256), "dense_down_tp8": (7168, 2304)}
