@@ -8,7 +8,10 @@ uint8 E8M0 [N, K/32], value 2^(byte - 127).
   at fp32 bits 24..22 (exponent LSBs + top mantissa bit) and its sign at bit 31: that fp32 is
   the E2M1 value times 2^-126 exactly, the two E2M1 subnormals (0 and 0.5) landing on fp32
   subnormals; one multiply by 2^126 normalizes it and one by the block scale applies E8M0.
-  Three integer ops and two multiplies per element, no table, no exp2.
+  Three integer ops and two multiplies per element, no table, no exp2. Compiled for NVIDIA with
+  bf16 dots, the same placement is done in PTX on 32-bit registers, two bf16 values an
+  instruction (`e2m1_pair_to_bf16_ptx`): the decode is what bounds these GEMMs on an H100
+  (docs/benchmarks.md section 6). ROCm and the interpreter use the portable version.
 - E8M0 scales are built from bits (byte << 23; byte 0 is the subnormal 2^-127, 255 is NaN):
   exp2 flushes 2^-127 to zero on GPUs and is inexact in the Triton interpreter.
 - Activations can be quantize-dequantized on the fly with Quark's "even" scale rule, per 32
