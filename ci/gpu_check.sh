@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the GPU tests and every benchmark, results under $OUT.
 #
-#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [models] [spec] [gsm8k]
+#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k]
 #
 # gsm8k runs ci/nightly_gsm8k.sh on $GSM8K_ENTRIES (default: the SmolLM2 pair, with and without
 # speculation) against the zoo cache $ATOM_LIKE_CACHE (default /tmp/zoo_work/models, where
@@ -19,7 +19,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests kernels models spec gsm8k)
+[ ${#parts[@]} -eq 0 ] && parts=(tests kernels mxfp4 models spec gsm8k)
 log="$OUT/gpu_check.log"
 : >"$OUT/summary.txt"
 
@@ -37,6 +37,7 @@ for part in "${parts[@]}"; do
   case $part in
     tests) run gpu_tests python3 -m pytest ${GPU_TESTS:-tests/gpu} -q -rsP -p no:cacheprovider --timeout 900 ;;
     kernels) run bench_kernels python3 ci/bench_kernels.py --out "$OUT" ;;
+    mxfp4) run bench_mxfp4 python3 ci/bench_mxfp4.py --out "$OUT" --profile ;;
     models) run bench_models python3 ci/bench_models.py ;;
     spec) run bench_spec python3 ci/bench_spec.py ;;
     gsm8k) run gsm8k env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k" \
