@@ -2,7 +2,7 @@
 counts and draft proposals identical with caching on and off (fp32) for every shared-prefix
 length relative to the block size, without a draft and with the MHA and MLA drafts; no leaked
 or double-owned block after any step of a workload mixing hits, evictions, preemption, aborts
-and stops; the flag."""
+and stops; the flag; the metrics."""
 from __future__ import annotations
 
 import argparse
@@ -11,10 +11,13 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from atom_like import EngineArgs, LLMEngine, SamplingParams
 from atom_like.engine.block_manager import BlockManager
 from atom_like.engine.sequence import Sequence
+from atom_like.entrypoints.metrics import (EngineState, HistogramSnapshot, PrefixCacheSnapshot, ServerMetrics,
+                                           StatsLogger)
 
 B = 8  # block size of the engine tests
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -258,7 +261,7 @@ def test_no_leak_after_hits_evictions_preemption_aborts_and_stops(make_llama, ma
     assert {reason for _, reason in on.values()} == {"stop", "length"}
 
 
-# ----------------------------------------------------------------------------- flag
+# ----------------------------------------------------------------------------- flag and metrics
 
 def test_the_flag_has_an_off_form_in_both_spellings():
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
@@ -269,3 +272,33 @@ def test_the_flag_has_an_off_form_in_both_spellings():
     assert parser.parse_args(["--model", "m"]).enforce_eager is False  # switches that default off stay switches
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--no-enforce-eager"])
+
+
+def test_hit_rate_in_metrics_and_the_stats_line(caplog):
+    metrics = ServerMetrics(0)
+    state = EngineState(1, 0, 10, 16, 0, 0, 0, 0, [0], prefix_cache_queries=400, prefix_cache_hits=300)
+    metrics.update(EngineState(0, 0, 16, 16, 0, 0, 0, 0, [0]))
+    metrics.update(state)
+    page = generate_latest(metrics.registry).decode()
+    assert PrefixCacheSnapshot.parse(page) == PrefixCacheSnapshot(400, 300)
+    assert "atom_like:prefix_cache_hit_rate 0.75" in page
+    later = PrefixCacheSnapshot.parse(generate_latest(metrics.registry).decode())
+    metrics.update(EngineState(1, 0, 10, 16, 0, 0, 0, 0, [0], prefix_cache_queries=500, prefix_cache_hits=300))
+    window = PrefixCacheSnapshot.parse(generate_latest(metrics.registry).decode()).minus(later)
+    assert (window.queries, window.hits, window.hit_rate) == (100, 0, 0.0)
+    metrics.generated(5)
+    logger = StatsLogger(metrics, interval=1e-9)
+    with caplog.at_level("INFO", logger="atom_like.entrypoints.metrics"):
+        logger.maybe_log(logger._last_time + 1.0, state)
+    assert "prefix cache hit rate 75.0% (300/400 prompt tokens)" in caplog.text
+
+
+def test_histogram_snapshot_reads_ttft_back():
+    metrics = ServerMetrics(0)
+    before = HistogramSnapshot.parse(generate_latest(metrics.registry).decode(), "time_to_first_token_seconds")
+    for seconds in [0.015] * 50 + [0.03] * 49 + [3.0]:
+        metrics.first_token(seconds, 10)
+    after = HistogramSnapshot.parse(generate_latest(metrics.registry).decode(), "time_to_first_token_seconds")
+    ttft = after.minus(before)
+    assert ttft.count == 100 and ttft.mean == pytest.approx((50 * 0.015 + 49 * 0.03 + 3.0) / 100)
+    assert 0.01 < ttft.quantile(0.5) <= 0.02 < ttft.quantile(0.9) <= 0.04 and 2.5 < ttft.quantile(0.995) <= 5.0
