@@ -283,9 +283,11 @@ def main(argv: list[str] | None = None) -> dict:
     results, duration = asyncio.run(run(base_url, model, requests, args.request_rate, args.max_concurrency,
                                         args.ignore_eos, args.seed))
     after = _scrape(base_url)
-    scraped = before is not None and after is not None
-    summary = summarize(results, duration, SpecSnapshot.parse(after).minus(SpecSnapshot.parse(before)) if scraped else None,
-                        PrefixCacheSnapshot.parse(after).minus(PrefixCacheSnapshot.parse(before)) if scraped else None)
+    spec = cache = None
+    if before is not None and after is not None:
+        spec = SpecSnapshot.parse(after).minus(SpecSnapshot.parse(before))
+        cache = PrefixCacheSnapshot.parse(after).minus(PrefixCacheSnapshot.parse(before))
+    summary = summarize(results, duration, spec, cache)
     print_report(summary)
     if args.plot:
         plot(results, args.plot)
