@@ -42,6 +42,7 @@ class EngineArgs:
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "Fraction of GPU memory the engine may use (weights, activations, KV cache)."})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "KV-cache blocks, overriding the automatic size."})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "KV-cache dtype: auto (= model dtype)."})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "Reuse the KV of prompt prefixes earlier requests computed (--no-enable-prefix-caching: recompute every prompt)."})
     enforce_eager: bool = field(default=False, metadata={"help": "Never use CUDA/HIP graphs."})
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton (auto: the torch reference on CPU, the fastest kernel on a GPU); aiter is refused until its adapter lands."})
     seed: int = field(default=0, metadata={"help": "Seed for requests that bring none."})
@@ -103,7 +104,8 @@ class EngineArgs:
 def add_flag(parser: argparse.ArgumentParser, name: str, type_: type | str, default: Any, help: str,
              short: str | None = None) -> None:
     """One flag with both spellings (ATOM accepts both, users paste both). `type_` is a type or
-    a dataclass field's string annotation such as "int | None"."""
+    a dataclass field's string annotation such as "int | None". A bool that defaults to off is
+    a switch (`--x`); one that defaults to on also gets its off form (`--no-x`)."""
     spellings = [f"--{name.replace('_', '-')}"]
     if "_" in name:
         spellings.append(f"--{name}")
@@ -113,7 +115,8 @@ def add_flag(parser: argparse.ArgumentParser, name: str, type_: type | str, defa
     if default is not None and kind is not bool:  # --help shows what leaving a flag out means
         help = f"{help} (default: %(default)s)"
     if kind is bool:
-        parser.add_argument(*spellings, dest=name, action="store_true", default=default, help=help)
+        action = argparse.BooleanOptionalAction if default else "store_true"
+        parser.add_argument(*spellings, dest=name, action=action, default=default, help=help)
     else:
         parser.add_argument(*spellings, dest=name, type=kind, default=default, help=help)
 

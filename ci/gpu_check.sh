@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the GPU tests and every benchmark, results under $OUT.
 #
-#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k]
+#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix]
 #
 # gsm8k runs ci/nightly_gsm8k.sh on $GSM8K_ENTRIES (default: the SmolLM2 pair, with and without
 # speculation) against the zoo cache $ATOM_LIKE_CACHE (default /tmp/zoo_work/models, where
 # ci/train_zoo.sh leaves its models on a machine kept warm between calls); reports in $OUT/gsm8k.
+# prefix (not in the default list) runs the same entries with prefix caching off, then on
+# (GSM8K_COMPARE=--no-enable-prefix-caching); reports and the side-by-side table in $OUT/gsm8k_prefix.
 # Writes $OUT/results.md (every table), $OUT/gpu_check.log (all output), $OUT/*.json (raw
 # numbers) and $OUT/summary.txt (exit status of each part). Wheels in .whl/ (a transformers newer
 # than the machine's, say) are installed into /tmp/site first. No step stops the others.
@@ -42,6 +44,8 @@ for part in "${parts[@]}"; do
     spec) run bench_spec python3 ci/bench_spec.py ;;
     gsm8k) run gsm8k env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k" \
              ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
+    prefix) run gsm8k_prefix env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k_prefix" \
+             GSM8K_COMPARE=--no-enable-prefix-caching ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
   esac
 done
@@ -49,7 +53,7 @@ done
   echo "# GPU check, $(date -u +%Y-%m-%d), $(python3 -c 'import torch; print(torch.cuda.get_device_name())')"
   echo
   cat "$OUT/summary.txt"
-  for md in "$OUT"/bench_*.md; do [ -f "$md" ] && { echo; cat "$md"; }; done
+  for md in "$OUT"/bench_*.md "$OUT"/gsm8k*/summary.md; do [ -f "$md" ] && { echo; cat "$md"; }; done
 } >"$OUT/results.md"
 rm -f "$OUT"/bench_*.md
 cat "$OUT/results.md"

@@ -170,6 +170,7 @@ def test_benchmark_serving_random(server, model, make_llama, tmp_path):
         assert set(summary[key]) == {"mean", "median", "p99"} and summary[key]["p99"] > 0
     assert summary["request_throughput"] > 0 and summary["output_token_throughput"] > 0
     assert summary["speculation"] is None  # the server runs without speculation
+    assert summary["prefix_cache"]["queries"] >= summary["total_input_tokens"]  # its default: caching on
     assert (tmp_path / "latency.png").stat().st_size > 0
 
 

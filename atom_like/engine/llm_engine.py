@@ -53,14 +53,17 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(self.args.max_model_len, self.hf_config)
         self.tokenizer = self._load_tokenizer()
         self.runner = ModelRunner(self.args, self.hf_config, self.device, self.dtype, self.max_model_len, proposer_factory)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size)
+        # a draft's KV at a position is built from the token after it: cache keys take one more token
+        self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size, self.args.enable_prefix_caching,
+                                          lookahead=1 if self.runner.proposer is not None else 0)
         self.eos_token_ids = self._eos_token_ids()
         self.scheduler = Scheduler(self.block_manager, self.args.max_num_seqs, self.args.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids, self.runner.num_spec_tokens)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d", self.args.model, self.device,
-                    str(self.dtype).removeprefix("torch."), self.max_model_len)
+        logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d, prefix caching %s", self.args.model,
+                    self.device, str(self.dtype).removeprefix("torch."), self.max_model_len,
+                    "on" if self.args.enable_prefix_caching else "off")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

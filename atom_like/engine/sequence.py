@@ -26,6 +26,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is valid in the cache
+        self.num_cached_tokens = 0  # of those, taken from the prefix cache at the last admission
+        self.block_keys: list[bytes] = []  # prefix-cache keys of its leading full blocks (block_manager.py)
         self.spec_token_ids: list[int] = []  # draft tokens awaiting verification
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] = []
