@@ -99,4 +99,4 @@ def test_busy_port_and_unknown_zoo_name_fail_before_loading(llama_path, monkeypa
     assert exit_.value.code == 2 and f"cannot listen on 127.0.0.1:{port} (--host/--port)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main(["--model", "no-such-model", "--port", "0"])
-    assert exit_.value.code == 2 and "unknown zoo model 'no-such-model'" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "'no-such-model' is neither a checkpoint folder nor a zoo model" in capsys.readouterr().err
