@@ -261,6 +261,28 @@ def test_no_leak_after_hits_evictions_preemption_aborts_and_stops(make_llama, ma
     assert {reason for _, reason in on.values()} == {"stop", "length"}
 
 
+def test_prompt_logprobs_score_every_position_even_when_the_prefix_is_cached(make_llama):
+    """A request for prompt logprobs needs the forward over every prompt position, so it takes no
+    cached blocks (the next request without them still does), and its numbers match caching off."""
+    target = make_llama()
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+
+    def run(caching: bool):
+        engine = LLMEngine(target, max_model_len=96, block_size=B, enable_prefix_caching=caching)
+        engine.generate([BASE], GREEDY, use_tqdm=False)  # caches BASE's blocks
+        out = engine.generate([BASE], params, use_tqdm=False)[0]
+        hits_before = engine.block_manager.num_hit_tokens
+        engine.generate([BASE], GREEDY, use_tqdm=False)
+        return out, engine.block_manager.num_hit_tokens - hits_before
+
+    (on, later_hits), (off, _) = run(True), run(False)
+    assert later_hits == 32  # the cache is still used by requests that do not ask
+    assert on.token_ids == off.token_ids and len(on.prompt_logprobs) == len(BASE)
+    for a, b in zip(on.prompt_logprobs[1:], off.prompt_logprobs[1:], strict=True):
+        assert a.token_id == b.token_id and list(a.top) == list(b.top)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+
 # ----------------------------------------------------------------------------- flag and metrics
 
 def test_the_flag_has_an_off_form_in_both_spellings():

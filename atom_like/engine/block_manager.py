@@ -66,8 +66,13 @@ class BlockManager:
         blocks found by key, ending before its last token (see the module docstring)."""
         if not self.enable_prefix_caching:
             return []
+        limit = (seq.num_tokens - 1) // self.block_size
+        if seq.params.prompt_logprobs is not None:
+            # Prompt logprobs come from this sequence's own forward over each position: reuse only
+            # what it already scored before a preemption (vLLM skips the lookup for such requests).
+            limit = min(limit, len(seq.prompt_logprobs) // self.block_size)
         blocks = []
-        for key in self._keys(seq, (seq.num_tokens - 1) // self.block_size):
+        for key in self._keys(seq, limit):
             block = self.block_of.get(key)
             if block is None:
                 break
