@@ -19,12 +19,15 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from atom_like.loader.quark import ACTIVATION_MODES
 from atom_like.models.config_aliases import register_config_aliases
 from model_ops.attention.backends import check_backend_choice
+from model_ops.quant.fp8 import fp8_kv_dtype
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3 (vLLM's and ATOM's spelling)
 
 
 @dataclass
@@ -41,8 +44,9 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata={"help": "Longest prompt + output (default: the model's max_position_embeddings)."})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "Fraction of GPU memory the engine may use (weights, activations, KV cache)."})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "KV-cache blocks, overriding the automatic size."})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV-cache dtype: auto (= model dtype)."})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV-cache dtype: auto (= model dtype) | fp8 | fp8_e4m3 (e4m3 with per-tensor scales from the checkpoint, else 1.0; e4m3fnuz on MI300, e4m3fn elsewhere)."})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "Reuse the KV of prompt prefixes earlier requests computed (--no-enable-prefix-caching: recompute every prompt)."})
+    mxfp4_activations: str = field(default="checkpoint", metadata={"help": "MXFP4 (Quark) checkpoints: checkpoint = quantize GEMM inputs to MXFP4 as the checkpoint's input_tensors say (W4A4); unquantized = same weights, activations in the model dtype (W4A16)."})
     enforce_eager: bool = field(default=False, metadata={"help": "Never use CUDA/HIP graphs."})
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton (auto: the torch reference on CPU, the fastest kernel on a GPU); aiter is refused until its adapter lands."})
     seed: int = field(default=0, metadata={"help": "Seed for requests that bring none."})
@@ -62,8 +66,11 @@ class EngineArgs:
             raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"--device must be auto, cuda or cpu; got {self.device!r}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported yet (only auto).")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.mxfp4_activations not in ACTIVATION_MODES:
+            raise ValueError(f"--mxfp4-activations must be one of {', '.join(ACTIVATION_MODES)}; "
+                             f"got {self.mxfp4_activations!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two; got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -226,6 +233,11 @@ def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> 
         return torch.float32
     stored = getattr(text_config(config), "dtype", None) or getattr(config, "torch_dtype", None)
     return torch.float16 if stored in (torch.float16, "float16") else torch.bfloat16
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """auto: the model dtype; fp8 / fp8_e4m3: the platform's e4m3 variant."""
+    return dtype if name == "auto" else fp8_kv_dtype(device)
 
 
 def resolve_max_model_len(requested: int | None, config: PretrainedConfig) -> int:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the GPU tests and every benchmark, results under $OUT.
 #
-#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix]
+#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy]
 #
+# mxfp4_accuracy (not in the default set) builds tiny-kimi-mxfp4 into the zoo cache and measures its
+# accuracy against tiny-kimi, with and without fp8 KV (ci/bench_mxfp4_accuracy.py).
 # gsm8k runs ci/nightly_gsm8k.sh on $GSM8K_ENTRIES (default: the SmolLM2 pair, with and without
 # speculation) against the zoo cache $ATOM_LIKE_CACHE (default /tmp/zoo_work/models, where
 # ci/train_zoo.sh leaves its models on a machine kept warm between calls); reports in $OUT/gsm8k.
@@ -46,6 +48,7 @@ for part in "${parts[@]}"; do
              ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
     prefix) run gsm8k_prefix env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k_prefix" \
              GSM8K_COMPARE=--no-enable-prefix-caching ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
+    mxfp4_accuracy) run bench_mxfp4_accuracy python3 ci/bench_mxfp4_accuracy.py --out "$OUT" ;;
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
   esac
 done

@@ -6,13 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_ops.deferred import weight_device
+
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        # on the meta device while a quantization config may still replace this layer (model_ops.deferred)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=weight_device()), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, device=weight_device()), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

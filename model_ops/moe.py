@@ -10,7 +10,9 @@ can be captured in a graph. Weights always come from the unbiased scores, are re
 
 Routed experts are stored stacked, w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I],
 and run through one function with the signature of kernels_rocm's Triton fused MoE;
-`select_experts_impl` is the one switch between it and the reference loop here.
+`select_experts_impl` is the one switch between it and the reference loop here. A Quark MXFP4
+checkpoint swaps FusedExperts for model_ops.quant.mxfp4_layers.MXFP4Experts (same call, packed
+weights) before any float weight is allocated (model_ops.deferred).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from model_ops.activation import silu_and_mul
+from model_ops.deferred import weight_device
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -156,9 +159,12 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
-        self.impl = select_experts_impl(self.w13.device)
+        # on the meta device while a quantization config may still replace this layer (model_ops.deferred)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, device=weight_device()),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=weight_device()),
+                               requires_grad=False)
+        self.impl = select_experts_impl(torch.get_default_device())
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return self.impl(x, self.w13, self.w2, topk_weights, topk_ids)
@@ -176,17 +182,19 @@ class FusedExperts(nn.Module):
         return self.w13.data[int(expert), rows]
 
 
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def expert_weight_rule(name: str) -> tuple[str, str | None] | None:
-    """Checkpoint expert names -> (FusedExperts parameter, shard). Two layouts: per expert
-    (`experts.{e}.{gate,up,down}_proj.weight`: DeepSeek/Kimi releases, and what transformers 5.23's
-    save_pretrained writes) and stacked 3-D (`experts.gate_up_proj` [E, 2I, H] /
-    `experts.down_proj` [E, H, I]: transformers' in-memory layout, loaded whole)."""
+    """Checkpoint expert names -> (FusedExperts / MXFP4Experts parameter, shard). Two layouts: per
+    expert (`experts.{e}.{gate,up,down}_proj.weight`: DeepSeek/Kimi releases, and what transformers
+    5.23's save_pretrained writes; Quark MXFP4 adds `.weight_scale` -> w13_scale / w2_scale) and
+    stacked 3-D (`experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]: transformers'
+    in-memory layout, loaded whole)."""
     if m := _PER_EXPERT.match(name):
-        return f"{m[1]}.{'w2' if m[3] == 'down_proj' else 'w13'}", f"{m[2]}.{m[3]}"
+        suffix = "_scale" if m[4] == "weight_scale" else ""
+        return f"{m[1]}.{'w2' if m[3] == 'down_proj' else 'w13'}{suffix}", f"{m[2]}.{m[3]}"
     if m := _STACKED.match(name):
         return f"{m[1]}.{'w13' if m[2] == 'gate_up_proj' else 'w2'}", None
     return None

@@ -18,16 +18,19 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from atom_like.config import EngineArgs, text_config
+from atom_like.config import EngineArgs, resolve_kv_cache_dtype, text_config
 from atom_like.engine.cuda_graph import DecodeGraphs
 from atom_like.engine.sampler import row_logits_processors, row_sampling_tensors, token_logprobs
 from atom_like.engine.scheduler import ScheduledBatch, SeqStepResult
 from atom_like.engine.speculative import build_eagle3_proposer
 from atom_like.engine.step_inputs import HostStep, StepInputs, batch_host_step, host_step, upload
+from atom_like.loader.kv_scales import read_kv_scales
+from atom_like.loader.quark import QuarkConfig, quantize_model
 from atom_like.loader.weights import iter_checkpoint, load_weights
 from atom_like.models.base import CausalLM
 from atom_like.models.registry import build_model, target_model_class
 from model_ops.attention.kv_builder import KVCacheBuilder, PagedKVCacheBuilder
+from model_ops.quant.fp8 import FP8_KV_DTYPES
 from spec_decode.proposer import ProposeInputs, Proposer
 from spec_decode.rejection import verify
 
@@ -53,20 +56,29 @@ class ModelRunner:
             torch.cuda.empty_cache()
         # GPU memory other live objects of this process hold (another engine, a reference model)
         self.baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        self.model: CausalLM = build_model(target_model_class(hf_config), text_config(hf_config), dtype, device)
-        load_weights(self.model, iter_checkpoint(args.model), self.model.weight_map())
+        quark = QuarkConfig.from_model_config(hf_config)
+        quantize = None if quark is None else (
+            lambda model: quantize_model(model, quark, model.weight_map(), args.mxfp4_activations))
+        self.model: CausalLM = build_model(target_model_class(hf_config), text_config(hf_config), dtype, device,
+                                           quantize=quantize)
+        weight_map = self.model.weight_map()
+        load_weights(self.model, iter_checkpoint(args.model), weight_map)
         self.vocab_size = self.model.config.vocab_size
 
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
         self.proposer: Proposer | None = None
         if proposer_factory is not None:
             self.proposer = proposer_factory(self)
         elif args.method == "eagle3":
-            self.proposer = build_eagle3_proposer(args, self.model, dtype, device)
+            self.proposer = build_eagle3_proposer(args, self.model, dtype, device, self.kv_cache_dtype)
         self.num_spec_tokens = self.proposer.num_spec_tokens if self.proposer else 0
 
+        layers = self.model.attention_layers()
+        kv_scales = (read_kv_scales(args.model, self.model, layers, weight_map, "target")
+                     if self.kv_cache_dtype in FP8_KV_DTYPES else None)
         self.builders: list[KVCacheBuilder] = [
-            PagedKVCacheBuilder(self.model.attention_layers(), args.block_size, dtype, device, role="target",
-                                backend=args.attention_backend)
+            PagedKVCacheBuilder(layers, args.block_size, self.kv_cache_dtype, device, role="target",
+                                backend=args.attention_backend, kv_scales=kv_scales)
         ] + (self.proposer.kv_builders() if self.proposer else [])
         # a verify step plus its draft chain reaches 2k slots past the last verified token
         self.max_blocks_per_seq = math.ceil((max_model_len + 2 * self.num_spec_tokens) / args.block_size)
@@ -75,6 +87,11 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_bytes / 2**20)
+        if self.kv_cache_dtype != dtype:
+            ratio = dtype.itemsize / self.kv_cache_dtype.itemsize
+            logger.info("KV cache in %s: %d bytes a block instead of %d in %s, so the same memory holds %.1fx "
+                        "the tokens (%d here)", self.kv_cache_dtype, self.block_bytes, round(self.block_bytes * ratio),
+                        dtype, ratio, self.num_blocks * self.block_size)
         self.graphs: DecodeGraphs | None = None
         if not args.enforce_eager:
             max_batch = min(args.max_num_seqs, args.max_num_batched_tokens // (self.num_spec_tokens + 1))

@@ -8,6 +8,10 @@ A parameter filled from several checkpoint tensors (q/k/v into one MergedLinear,
 gate/up/down into stacked expert weights) belongs to a module implementing `ShardedParameters`;
 the loader then checks every shard was loaded. Such a parameter may also arrive whole (e.g.
 transformers' fused 3-D expert tensors), which counts for all of its shards.
+
+Tensors are copied by value between float types, never between a float and an integer type:
+packed MXFP4 bytes (uint8) only ever land in packed parameters, which may check them further
+(`CheckedParameters`: no NaN scale byte).
 """
 from __future__ import annotations
 
@@ -40,6 +44,15 @@ class ShardedParameters(Protocol):
         """The slice of parameter `param` that checkpoint shard `shard` fills."""
 
 
+@runtime_checkable
+class CheckedParameters(Protocol):
+    """A module that validates checkpoint tensors before they are copied into its parameters."""
+
+    def check_tensor(self, param: str, tensor: torch.Tensor) -> None:
+        """Raise ValueError saying what is wrong with `tensor` for parameter `param` (local name);
+        the loader prefixes the checkpoint tensor's name."""
+
+
 @dataclass(frozen=True)
 class WeightMap:
     # (checkpoint prefix, parameter prefix), first match wins: e.g. Kimi's "language_model.model." -> "model."
@@ -52,6 +65,9 @@ class WeightMap:
     skip: tuple[tuple[str, str], ...] = ()
     # parameters a checkpoint may leave out (an EAGLE3 draft without embed_tokens borrows the target's)
     optional: tuple[str, ...] = ()
+    # (parameter prefix, another prefix a quantization config may name the same modules by): a
+    # wrapper's exclude list may use the checkpoint's other layouts or its text model's own names
+    config_aliases: tuple[tuple[str, str], ...] = ()
 
 
 def safetensors_files(folder: str) -> list[str]:
@@ -113,9 +129,13 @@ def checkpoint_keys(folder: str) -> set[str]:
 def convert_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """ROCm/ATOM#631's rule: same-width float formats are bit-compatible encodings (fp8 variants) and
     are viewed; fp16 <-> bf16 have the same width but different ranges, so they are converted by
-    value, as is every other pair."""
+    value, as is every other pair. Integer and float tensors are never converted into each other:
+    packed MXFP4 bytes (uint8) read as numbers would be garbage."""
     if tensor.dtype == dtype:
         return tensor
+    if tensor.is_floating_point() != dtype.is_floating_point:
+        raise ValueError(f"refusing to convert a {tensor.dtype} checkpoint tensor to {dtype}: integer (e.g. packed "
+                         "MXFP4) and float tensors are never converted into each other")
     same_width = tensor.element_size() == torch.empty((), dtype=dtype).element_size()
     if same_width and tensor.is_floating_point() and dtype.is_floating_point and {tensor.dtype, dtype} != {torch.float16, torch.bfloat16}:
         return tensor.view(dtype)
@@ -138,7 +158,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     model_name = type(model).__name__
 
     for ckpt_name, tensor in weights:
-        renamed = _rename(ckpt_name, weight_map)
+        renamed = rename(ckpt_name, weight_map)
         reason = next((why for key, why in weight_map.skip if renamed.startswith(key) or key in renamed), None)
         if reason is not None:
             if reason not in skipped_reasons:
@@ -147,11 +167,24 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
             continue
         name, shard = _map_name(renamed, weight_map)
         if name not in params:
-            raise ValueError(f"checkpoint tensor {ckpt_name!r} (shape {tuple(tensor.shape)}) has no parameter in {model_name}")
+            hint = ("; the checkpoint packs this layer (MXFP4) but its quantization_config leaves it unquantized"
+                    if ckpt_name.endswith(".weight_scale") else "")
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} (shape {tuple(tensor.shape)}) has no parameter in "
+                             f"{model_name}{hint}")
+        module_name, _, local = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, CheckedParameters):
+            try:
+                module.check_tensor(local, tensor)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} {e}") from None
         target = params[name].data
+        if tensor.is_floating_point() != target.is_floating_point():
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} is {tensor.dtype} but {model_name}.{name} is "
+                             f"{target.dtype}: integer (e.g. packed MXFP4) and float tensors are never converted "
+                             "into each other; is the checkpoint's quantization_config missing or wrong?")
         if shard is not None:
-            module_name, _, local = name.rpartition(".")
-            target = model.get_submodule(module_name).shard_view(local, shard)
+            target = module.shard_view(local, shard)
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
                 f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)} but {model_name} expects "
@@ -168,7 +201,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     return optional
 
 
-def _rename(ckpt_name: str, weight_map: WeightMap) -> str:
+def rename(ckpt_name: str, weight_map: WeightMap) -> str:
     for old, new in weight_map.prefix_renames:
         if ckpt_name.startswith(old):
             return new + ckpt_name[len(old):]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from atom_like.loader.kv_scales import KV_SCALE_SKIP
 from atom_like.loader.weights import WeightMap
 from model_ops.attention.layer import CachedAttention
 from model_ops.attention.metadata import AttentionMetadata
@@ -174,7 +175,7 @@ class DecoderOnlyLM(Eagle3TargetMixin, CausalLM):
 
     def common_skips(self) -> list[tuple[str, str]]:
         """Checkpoint tensors every such model ignores."""
-        skip = [("rotary_emb.inv_freq", "rotary frequency buffers (recomputed from the config)")]
+        skip = [("rotary_emb.inv_freq", "rotary frequency buffers (recomputed from the config)"), KV_SCALE_SKIP]
         if self.config.tie_word_embeddings:
             skip.append(("lm_head.weight", "lm_head.weight (tied to embed_tokens)"))
         return skip

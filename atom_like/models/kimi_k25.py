@@ -30,6 +30,13 @@ _LAYOUTS = (
     ("model.language_model.", "language_model.model."),
     ("lm_head.", "language_model.lm_head."),
 )
+# names a quantization config may use for the language model's modules: the other checkpoint
+# layouts, and the text model's own names (ATOM maps language_model.model. -> model. the same way)
+_CONFIG_ALIASES = (
+    ("language_model.model.layers.", "language_model.model.blocks."),
+    ("language_model.model.", "model.language_model."),
+    ("language_model.model.", "model."),
+)
 _SKIP = (
     ("vision_tower.", "vision tower (text path only)"),
     ("mm_projector.", "multimodal projector (text path only)"),
@@ -54,7 +61,7 @@ class KimiK25ForConditionalGeneration(CausalLM):
 
     def weight_map(self) -> WeightMap:
         inner = self.language_model.weight_map()
-        return replace(inner, prefix_renames=_LAYOUTS, skip=inner.skip + _SKIP)
+        return replace(inner, prefix_renames=_LAYOUTS, skip=inner.skip + _SKIP, config_aliases=_CONFIG_ALIASES)
 
     # ---------------------------------------------------------------- Eagle3Target, by delegation
 
