@@ -1,0 +1,148 @@
+"""Invariants of the scheduler and the KV pool, asserted at every step of a test's engine, so a
+leak, an over-admission or a stray KV write fails at the step it happens (within seconds)
+instead of as a livelock or a wrong token far downstream.
+
+    checks = install_checks(engine)          # wraps the engine's scheduler and runner in place
+    outs = run_checked(engine, prompts, params)   # generate, with a step bound instead of a hang
+
+Checked after every schedule(): running <= max_num_seqs, scheduled tokens <= the token budget,
+each sequence scheduled at most once and running, a step samples exactly when it reaches the
+sequence's last known token, the KV slots the step writes are inside the sequence's blocks,
+no block table wider than the runner's block-table rows (max_blocks_per_seq). Checked after
+every schedule(), update() and abort: free + owned == total blocks, no block owned twice or both
+owned and free, waiting and finished sequences own nothing. With `sentinel=True`, the free blocks
+of every KV pool are filled with NaN before each model step and must still be NaN after it:
+nothing may write a block no running sequence owns (only the graphs' scratch block, which the
+block manager never hands out, absorbs padded rows).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from atom_like import LLMEngine, SamplingParams
+from atom_like.engine.sequence import SequenceStatus
+
+
+@dataclass
+class Checks:
+    steps: int = 0
+    max_running: int = 0
+    max_batch_tokens: int = 0
+
+
+def assert_pool_consistent(engine: LLMEngine) -> None:
+    bm, sched = engine.block_manager, engine.scheduler
+    free = list(bm.free_blocks)
+    owned = [b for seq in sched.running for b in seq.block_table]
+    assert len(set(free)) == len(free), "a block is on the free list twice"
+    assert len(set(owned)) == len(owned), "a block is owned by two running sequences (or twice by one)"
+    assert not set(free) & set(owned), f"blocks both free and owned: {sorted(set(free) & set(owned))[:8]}"
+    assert all(0 <= b < bm.num_blocks for b in free + owned), "a block id outside the pool"
+    assert len(free) + len(owned) == bm.num_blocks, (
+        f"block leak: {len(free)} free + {len(owned)} owned by running sequences != {bm.num_blocks} blocks")
+    for seq in sched.waiting:
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"{seq} waits holding blocks"
+    for seq in sched.running:
+        assert seq.status is SequenceStatus.RUNNING, f"{seq} is in the running list"
+
+
+def _block_dim(pool: torch.Tensor, num_blocks: int) -> int:
+    dims = [d for d, n in enumerate(pool.shape) if n == num_blocks + 1]  # + the graphs' scratch block
+    assert len(dims) == 1, f"cannot tell the block dimension of a pool of shape {tuple(pool.shape)}"
+    return dims[0]
+
+
+_installed: "weakref.WeakKeyDictionary[LLMEngine, Checks]" = weakref.WeakKeyDictionary()
+
+
+def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
+    """Wrap `engine` (once) so every step checks the invariants above; returns the step counters."""
+    if engine in _installed:
+        return _installed[engine]
+    sched, runner, bm = engine.scheduler, engine.runner, engine.block_manager
+    checks = _installed[engine] = Checks()
+    schedule, update, execute, abort = sched.schedule, sched.update, runner.execute, engine.abort_request
+
+    def checked_schedule():
+        batch = schedule()
+        assert len(sched.running) <= sched.max_num_seqs, (
+            f"{len(sched.running)} running sequences > max_num_seqs {sched.max_num_seqs}")
+        assert batch.num_tokens <= sched.max_num_batched_tokens, (
+            f"step schedules {batch.num_tokens} tokens > budget {sched.max_num_batched_tokens}")
+        seqs = [item.seq for item in batch.seqs]
+        assert len({id(s) for s in seqs}) == len(seqs), "a sequence scheduled twice in one step"
+        for item in batch.seqs:
+            seq = item.seq
+            assert seq.status is SequenceStatus.RUNNING, f"scheduled {seq}"
+            assert item.num_new_tokens >= 1
+            end = seq.num_computed_tokens + item.num_new_tokens
+            assert end <= seq.num_tokens, f"{seq}: schedules tokens it does not have"
+            assert item.samples == (end == seq.num_tokens), (
+                f"{seq}: samples={item.samples} but the step ends at token {end} of {seq.num_tokens}")
+            assert not item.spec_token_ids or item.samples, f"{seq}: drafts verified in a prompt chunk"
+            writes_to = end + len(item.spec_token_ids)
+            assert len(seq.block_table) * bm.block_size >= writes_to, (
+                f"{seq}: writes KV up to slot {writes_to} with {len(seq.block_table)} blocks")
+            assert len(seq.block_table) <= runner.max_blocks_per_seq, (
+                f"{seq}: {len(seq.block_table)} blocks > max_blocks_per_seq {runner.max_blocks_per_seq}")
+        assert_pool_consistent(engine)
+        checks.steps += 1
+        checks.max_running = max(checks.max_running, len(sched.running))
+        checks.max_batch_tokens = max(checks.max_batch_tokens, batch.num_tokens)
+        return batch
+
+    def checked_update(batch, results):
+        touched = update(batch, results)
+        for item in batch.seqs:
+            if item.seq.finished:
+                assert not item.seq.block_table, f"{item.seq} finished holding blocks"
+        assert_pool_consistent(engine)
+        return touched
+
+    def checked_execute(batch):
+        if not sentinel:
+            return execute(batch)
+        free = torch.tensor(list(bm.free_blocks), dtype=torch.long)
+        pools = [(p, _block_dim(p, bm.num_blocks)) for p in runner.kv_caches.values()]
+        for pool, dim in pools:
+            pool.index_fill_(dim, free.to(pool.device), float("nan"))
+        results = execute(batch)
+        for name, (pool, dim) in zip(runner.kv_caches, pools):
+            untouched = pool.index_select(dim, free.to(pool.device)).isnan().movedim(dim, 0).flatten(1).all(1)
+            written = free[~untouched.cpu()].tolist()
+            assert not written, f"the step wrote {name} blocks {written[:8]} that no running sequence owns"
+        return results
+
+    def checked_abort(request_id):
+        abort(request_id)
+        assert_pool_consistent(engine)
+
+    sched.schedule, sched.update, runner.execute = checked_schedule, checked_update, checked_execute
+    engine.abort_request = checked_abort
+    return checks
+
+
+def run_checked(engine: LLMEngine, prompts: list, params: SamplingParams | list[SamplingParams],
+                max_steps: int | None = None, request_ids: list[str] | None = None) -> list:
+    """engine.generate with every invariant checked and a bound on the steps (a livelock fails
+    as an assertion, not a timeout): outputs in prompt order."""
+    install_checks(engine)
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    request_ids = request_ids or [None] * len(prompts)
+    ids = [engine.add_request(p, sp, request_id=r) for p, sp, r in zip(prompts, params, request_ids)]
+    if max_steps is None:  # every step advances some sequence; recompute after preemption may triple the work
+        lens = [len(p) if not isinstance(p, str) else 64 for p in prompts]
+        max_steps = 3 * sum(n + sp.max_tokens for n, sp in zip(lens, params)) + 20
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert not engine.has_unfinished_requests(), f"no end after {max_steps} steps: livelock?"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "blocks not returned"
+    return [final[i] for i in ids]
