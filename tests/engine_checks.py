@@ -1,19 +1,21 @@
 """Invariants of the scheduler and the KV pool, asserted at every step of a test's engine, so a
 leak, an over-admission or a stray KV write fails at the step it happens (within seconds)
-instead of as a livelock or a wrong token far downstream.
+instead of as a livelock or a wrong token far downstream. conftest installs them on every
+LLMEngine a test builds; tests add the KV sentinel and bound their steps:
 
-    checks = install_checks(engine)          # wraps the engine's scheduler and runner in place
-    outs = run_checked(engine, prompts, params)   # generate, with a step bound instead of a hang
+    checks = install_checks(engine, sentinel=True)   # counters: steps, max_running, max_batch_tokens
+    outs = run_checked(engine, prompts, params)      # generate, with a step bound instead of a hang
 
 Checked after every schedule(): running <= max_num_seqs, scheduled tokens <= the token budget,
 each sequence scheduled at most once and running, a step samples exactly when it reaches the
 sequence's last known token, the KV slots the step writes are inside the sequence's blocks,
 no block table wider than the runner's block-table rows (max_blocks_per_seq). Checked after
 every schedule(), update() and abort: free + owned == total blocks, no block owned twice or both
-owned and free, waiting and finished sequences own nothing. With `sentinel=True`, the free blocks
-of every KV pool are filled with NaN before each model step and must still be NaN after it:
-nothing may write a block no running sequence owns (only the graphs' scratch block, which the
-block manager never hands out, absorbs padded rows).
+owned and free, waiting and finished sequences own nothing (the passes over the free list run
+every 16th step on pools above 4096 blocks). With the sentinel, the free blocks of every KV pool
+are filled with NaN before each model step and must still be NaN after it: nothing may write a
+block no running sequence owns (only the graphs' scratch block, which the block manager never
+hands out, absorbs padded rows).
 """
 from __future__ import annotations
 
@@ -28,21 +30,28 @@ from atom_like.engine.sequence import SequenceStatus
 
 @dataclass
 class Checks:
+    sentinel: bool = False
     steps: int = 0
     max_running: int = 0
     max_batch_tokens: int = 0
 
 
-def assert_pool_consistent(engine: LLMEngine) -> None:
+def assert_pool_consistent(engine: LLMEngine, full: bool = True) -> None:
+    """free + owned == total, no block owned twice or both owned and free, ids in the pool.
+    `full=False` skips the passes over the free list (the count still catches every leak)."""
     bm, sched = engine.block_manager, engine.scheduler
-    free = list(bm.free_blocks)
     owned = [b for seq in sched.running for b in seq.block_table]
-    assert len(set(free)) == len(free), "a block is on the free list twice"
-    assert len(set(owned)) == len(owned), "a block is owned by two running sequences (or twice by one)"
-    assert not set(free) & set(owned), f"blocks both free and owned: {sorted(set(free) & set(owned))[:8]}"
-    assert all(0 <= b < bm.num_blocks for b in free + owned), "a block id outside the pool"
-    assert len(free) + len(owned) == bm.num_blocks, (
-        f"block leak: {len(free)} free + {len(owned)} owned by running sequences != {bm.num_blocks} blocks")
+    owned_set = set(owned)
+    assert len(owned_set) == len(owned), "a block is owned by two running sequences (or twice by one)"
+    assert len(bm.free_blocks) + len(owned) == bm.num_blocks, (
+        f"block leak: {len(bm.free_blocks)} free + {len(owned)} owned by running sequences != {bm.num_blocks} blocks")
+    if owned:
+        assert min(owned) >= 0 and max(owned) < bm.num_blocks, "an owned block id outside the pool"
+    if full and bm.free_blocks:
+        free_set = set(bm.free_blocks)
+        assert len(free_set) == len(bm.free_blocks), "a block is on the free list twice"
+        assert not owned_set & free_set, f"blocks both free and owned: {sorted(owned_set & free_set)[:8]}"
+        assert min(free_set) >= 0 and max(free_set) < bm.num_blocks, "a free block id outside the pool"
     for seq in sched.waiting:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"{seq} waits holding blocks"
     for seq in sched.running:
@@ -59,15 +68,22 @@ _installed: "weakref.WeakKeyDictionary[LLMEngine, Checks]" = weakref.WeakKeyDict
 
 
 def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
-    """Wrap `engine` (once) so every step checks the invariants above; returns the step counters."""
+    """Wrap `engine` (once) so every step checks the invariants above; returns the step counters.
+    conftest installs the checks on every engine a test builds; tests add the sentinel. The
+    wrappers hold the engine weakly and call the classes' methods, so no reference cycle keeps a
+    dropped engine's KV pool alive until the garbage collector runs."""
     if engine in _installed:
+        _installed[engine].sentinel |= sentinel
         return _installed[engine]
-    sched, runner, bm = engine.scheduler, engine.runner, engine.block_manager
-    checks = _installed[engine] = Checks()
-    schedule, update, execute, abort = sched.schedule, sched.update, runner.execute, engine.abort_request
+    checks = _installed[engine] = Checks(sentinel)
+    ref = weakref.ref(engine)
+    schedule, update = type(engine.scheduler).schedule, type(engine.scheduler).update
+    execute, abort = type(engine.runner).execute, type(engine).abort_request
 
     def checked_schedule():
-        batch = schedule()
+        engine = ref()
+        sched, runner, bm = engine.scheduler, engine.runner, engine.block_manager
+        batch = schedule(sched)
         assert len(sched.running) <= sched.max_num_seqs, (
             f"{len(sched.running)} running sequences > max_num_seqs {sched.max_num_seqs}")
         assert batch.num_tokens <= sched.max_num_batched_tokens, (
@@ -88,28 +104,32 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
                 f"{seq}: writes KV up to slot {writes_to} with {len(seq.block_table)} blocks")
             assert len(seq.block_table) <= runner.max_blocks_per_seq, (
                 f"{seq}: {len(seq.block_table)} blocks > max_blocks_per_seq {runner.max_blocks_per_seq}")
-        assert_pool_consistent(engine)
         checks.steps += 1
+        # the passes over the free list every step on small pools, every 16th on big ones
+        assert_pool_consistent(engine, full=bm.num_blocks <= 4096 or checks.steps % 16 == 0)
         checks.max_running = max(checks.max_running, len(sched.running))
         checks.max_batch_tokens = max(checks.max_batch_tokens, batch.num_tokens)
         return batch
 
     def checked_update(batch, results):
-        touched = update(batch, results)
+        engine = ref()
+        touched = update(engine.scheduler, batch, results)
         for item in batch.seqs:
             if item.seq.finished:
                 assert not item.seq.block_table, f"{item.seq} finished holding blocks"
-        assert_pool_consistent(engine)
+        assert_pool_consistent(engine, full=False)
         return touched
 
     def checked_execute(batch):
-        if not sentinel:
-            return execute(batch)
+        engine = ref()
+        runner, bm = engine.runner, engine.block_manager
+        if not checks.sentinel:
+            return execute(runner, batch)
         free = torch.tensor(list(bm.free_blocks), dtype=torch.long)
         pools = [(p, _block_dim(p, bm.num_blocks)) for p in runner.kv_caches.values()]
         for pool, dim in pools:
             pool.index_fill_(dim, free.to(pool.device), float("nan"))
-        results = execute(batch)
+        results = execute(runner, batch)
         for name, (pool, dim) in zip(runner.kv_caches, pools):
             untouched = pool.index_select(dim, free.to(pool.device)).isnan().movedim(dim, 0).flatten(1).all(1)
             written = free[~untouched.cpu()].tolist()
@@ -117,11 +137,12 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
         return results
 
     def checked_abort(request_id):
-        abort(request_id)
+        engine = ref()
+        abort(engine, request_id)
         assert_pool_consistent(engine)
 
-    sched.schedule, sched.update, runner.execute = checked_schedule, checked_update, checked_execute
-    engine.abort_request = checked_abort
+    engine.scheduler.schedule, engine.scheduler.update = checked_schedule, checked_update
+    engine.runner.execute, engine.abort_request = checked_execute, checked_abort
     return checks
 
 

@@ -73,7 +73,7 @@ def test_a_batch_shrinking_within_its_bucket_writes_only_owned_blocks(make_llama
     target = make_llama(num_hidden_layers=8, seed=1)
     kwargs = dict(max_model_len=96, method="eagle3", draft_model=make_eagle3_llama(target), num_speculative_tokens=3)
     prompts = PROMPTS + [PROMPTS[0][:2]]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 20, 20, 6)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 12, 12, 4)]
     eager = LLMEngine(target, enforce_eager=True, **kwargs)
     expected = [o.token_ids for o in run_checked(eager, prompts, params)]
     engine = LLMEngine(target, **kwargs)
