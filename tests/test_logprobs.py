@@ -88,14 +88,16 @@ def test_logprobs_are_log_softmax_of_the_raw_logits(target, reference, greedy_pa
 def test_no_logprob_past_a_stop_string(target, reference, greedy_paths, drafts):
     """The stop string completes inside a step that brought more tokens (drafts all accepted):
     tokens and logprobs are both cut right after the token that completed it."""
-    prompt, path = PROMPTS[0], greedy_paths[0]
-    # " w<id>" of the token at `cut` appears nowhere earlier in the text (not even as a prefix of " w<id'>")
-    cut = next(n for n in range(6, 20) if not any(f"w{t}".startswith(f"w{path[n]}") for t in path[:n]))
+    prompt, path, k = PROMPTS[0], greedy_paths[0], 4
+    # " w<id>" of the token at `cut` appears nowhere earlier in the text (not even as a prefix of
+    # " w<id'>"), and with drafts it is not the last of its step's k + 1 tokens (the prefill brings token 0)
+    cut = next(n for n in range(6, 20) if not any(f"w{t}".startswith(f"w{path[n]}") for t in path[:n])
+               and (n - 1) % (k + 1) != k)
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, stop=[f" w{path[cut]}"])
     if drafts:
         continuations = {"r0": path}
         engine = LLMEngine(target, max_model_len=64,
-                           proposer_factory=lambda r: OracleProposer(continuations, 4, r.vocab_size))
+                           proposer_factory=lambda r: OracleProposer(continuations, k, r.vocab_size))
     else:
         engine = LLMEngine(target, max_model_len=64)
     (out,) = run_checked(engine, [prompt], params, request_ids=["r0"])
@@ -104,5 +106,5 @@ def test_no_logprob_past_a_stop_string(target, reference, greedy_paths, drafts):
     expected = reference.generated_logprobs(prompt, out.token_ids)
     for n, lp in enumerate(out.logprobs):
         assert lp.logprob == pytest.approx(expected[n, out.token_ids[n]], abs=ATOL)
-    if drafts:
-        assert engine.spec_stats.num_accepted_tokens >= cut - 1  # the cut fell inside a multi-token step
+    if drafts:  # every draft was accepted: the stop string completed inside a multi-token step
+        assert engine.spec_stats.accepted_histogram[:k] == [0] * k
