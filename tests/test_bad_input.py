@@ -21,6 +21,7 @@ def engine(llama_path):
     ([], OK, "prompt is empty"),
     (list(range(64)), OK, "max_model_len"),
     ([1, 2, 999], OK, r"token ids must be integers in \[0, 128\)"),
+    ([1, 2, 128], OK, r"token ids must be integers in \[0, 128\)"),  # the vocab size itself
     ("some text", OK, "no tokenizer"),
 ])
 def test_bad_prompt(engine, prompt, params, match):
@@ -47,6 +48,15 @@ def test_bad_prompt(engine, prompt, params, match):
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("ids", [[1, 128], [-1, 5], [3, 2.0]])
+def test_bad_prompt_ids_are_refused(engine, ids):
+    """prompt_ids (token ids the caller already has, e.g. a rendered chat) skip tokenization, not
+    validation: an id outside the vocabulary would otherwise index past the embedding."""
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 128\)"):
+        engine.add_request(None, OK, prompt_ids=ids)
+    assert not engine.has_unfinished_requests()
 
 
 def test_bad_prompt_in_generate_adds_nothing(engine):

@@ -40,13 +40,17 @@ def _assert_written_exactly(cache, before, slots):
 def test_mha_write_then_attend(meta):
     g = torch.Generator().manual_seed(1)
     num_tokens, heads, dim = sum(Q_LENS), 1, 16
-    k_cache, v_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, heads, dim, generator=g)
+    # a guard block before each cache: a write to the skipped slot lands there, not outside the tensor
+    pool = torch.randn(2, NUM_BLOCKS + 1, BLOCK_SIZE, heads, dim, generator=g)
+    k_cache, v_cache = pool[:, 1:]
+    guards = pool[:, 0].clone()
     k_before, v_before = k_cache.clone(), v_cache.clone()
     key, value = torch.randn(2, num_tokens, heads, dim, generator=g)
     slots = meta.slot_mapping.clone()
     slots[2] = -1  # a padding token: must not be written
 
     write_kv_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(pool[:, 0], guards), "the skipped slot was written"
     _assert_written_exactly(k_cache, k_before, slots)
     _assert_written_exactly(v_cache, v_before, slots)
     written = slots >= 0

@@ -55,6 +55,8 @@ LONG_PROMPT = " ".join(["w5"] * MAX_MODEL_LEN)
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 999]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 128]}, "prompt"),  # = the vocab size: one past the last id
+    ("/v1/completions", {"prompt": [[1, 2], [-1]]}, "prompt"),
     ("/v1/completions", {"prompt": LONG_PROMPT}, "prompt"),
     ("/v1/completions", {"prompt": ["w1", LONG_PROMPT]}, "prompt"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
@@ -286,3 +288,14 @@ def test_no_request_was_left_behind(server, http):
 def test_whole_numbers_are_fine_where_floats_are_expected(http):
     response = http.post("/v1/completions", json={**OK, "temperature": 1, "top_p": 1})
     assert response.status_code == 200, response.text
+
+
+def test_top_k_zero_means_off(http):
+    """vLLM clients send top_k 0 for "no top-k": the same tokens as -1 for a seeded request."""
+    seeded = {**OK, "temperature": 1.0, "seed": 11, "max_tokens": 8}
+    texts = []
+    for top_k in (-1, 0):
+        response = http.post("/v1/completions", json={**seeded, "top_k": top_k})
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["choices"][0]["text"])
+    assert texts[0] == texts[1]

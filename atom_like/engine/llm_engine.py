@@ -94,10 +94,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
             return self.tokenizer(prompt).input_ids
-        ids = list(prompt)
-        if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
-        return ids
+        return list(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -107,6 +104,9 @@ class LLMEngine:
             raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {self.runner.vocab_size}): {outside[:5]}")
         if not prompt_ids:
             raise ValueError("prompt is empty")
+        # here, not in encode: add_request(prompt_ids=...), the server's path, skips encode
+        if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len} "
