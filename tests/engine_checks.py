@@ -95,8 +95,9 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
         batch = schedule(sched)
         assert len(sched.running) <= sched.max_num_seqs, (
             f"{len(sched.running)} running sequences > max_num_seqs {sched.max_num_seqs}")
-        assert batch.num_tokens <= sched.max_num_batched_tokens, (
-            f"step schedules {batch.num_tokens} tokens > budget {sched.max_num_batched_tokens}")
+        num_tokens = sum(item.num_new_tokens + len(item.spec_token_ids) for item in batch.seqs)
+        assert num_tokens <= sched.max_num_batched_tokens, (
+            f"step schedules {num_tokens} tokens > budget {sched.max_num_batched_tokens}")
         seqs = [item.seq for item in batch.seqs]
         assert len({id(s) for s in seqs}) == len(seqs), "a sequence scheduled twice in one step"
         for item in batch.seqs:
@@ -117,7 +118,7 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
         # the passes over the free list every step on small pools, every 16th on big ones
         assert_pool_consistent(engine, full=bm.num_blocks <= 4096 or checks.steps % 16 == 0)
         checks.max_running = max(checks.max_running, len(sched.running))
-        checks.max_batch_tokens = max(checks.max_batch_tokens, batch.num_tokens)
+        checks.max_batch_tokens = max(checks.max_batch_tokens, num_tokens)
         return batch
 
     def checked_update(batch, results):
