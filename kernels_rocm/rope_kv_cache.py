@@ -48,8 +48,10 @@ def _load_halves(base, heads, stride_h, cols, mask, INTERLEAVED: tl.constexpr, H
 
 
 @triton.jit
-def _rotate(x1, x2, cos, sin, DTYPE: tl.constexpr):
-    """(x1 cos - x2 sin, x2 cos + x1 sin) with every product and sum rounded to DTYPE."""
+def _rotate(x1, x2, cos, sin, act_ptr):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) with every product and sum rounded to the activation
+    dtype (`act_ptr`'s element type)."""
+    DTYPE = act_ptr.dtype.element_ty
     a = (x1 * cos).to(DTYPE).to(tl.float32)
     b = (x2 * sin).to(DTYPE).to(tl.float32)
     c = (x2 * cos).to(DTYPE).to(tl.float32)
@@ -76,7 +78,6 @@ def _rope_write_kernel(
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    dtype = q_out_ptr.dtype.element_ty
     cols = tl.arange(0, HALF_PAD)
     col_valid = cols < HALF
     cos = tl.load(cos_ptr + token * stride_cos_t + cols, mask=col_valid).to(tl.float32)[None, :]
@@ -86,7 +87,7 @@ def _rope_write_kernel(
     q_heads = tl.arange(0, Q_HEADS_PAD)
     q_mask = (q_heads < Q_HEADS)[:, None] & col_valid[None, :]
     x1, x2 = _load_halves(q_ptr + token * stride_q_t, q_heads, stride_q_h, cols, q_mask, INTERLEAVED, HALF)
-    o1, o2 = _rotate(x1, x2, cos, sin, dtype)
+    o1, o2 = _rotate(x1, x2, cos, sin, q_out_ptr)
     q_out = q_out_ptr + token * stride_q_out_t + q_heads[:, None] * stride_q_out_h + cols[None, :]
     tl.store(q_out, o1, mask=q_mask)
     tl.store(q_out + HALF, o2, mask=q_mask)
@@ -98,12 +99,13 @@ def _rope_write_kernel(
         kv_heads = tl.arange(0, KV_HEADS_PAD)
         head_valid = kv_heads < KV_HEADS
         k_mask = head_valid[:, None] & col_valid[None, :]
-        x1, x2 = _load_halves(k_ptr + token * stride_k_t, kv_heads, stride_k_h, cols, k_mask, INTERLEAVED, HALF)
-        o1, o2 = _rotate(x1, x2, cos, sin, dtype)
+        # names of their own: a compiled `if` may not rebind q's tiles with another shape
+        k1, k2 = _load_halves(k_ptr + token * stride_k_t, kv_heads, stride_k_h, cols, k_mask, INTERLEAVED, HALF)
+        k_out1, k_out2 = _rotate(k1, k2, cos, sin, q_out_ptr)
         k_dst = (k_cache_ptr + block * stride_kc_blk + offset_in_block * stride_kc_tok
                  + kv_heads[:, None] * stride_kc_h + cols[None, :])
-        _store_rows(o1, k_dst, k_mask, k_scale_ptr, FP8, FP8_MAX, MIN_NORMAL_EXP, SIGNED_ZERO)
-        _store_rows(o2, k_dst + HALF, k_mask, k_scale_ptr, FP8, FP8_MAX, MIN_NORMAL_EXP, SIGNED_ZERO)
+        _store_rows(k_out1, k_dst, k_mask, k_scale_ptr, FP8, FP8_MAX, MIN_NORMAL_EXP, SIGNED_ZERO)
+        _store_rows(k_out2, k_dst + HALF, k_mask, k_scale_ptr, FP8, FP8_MAX, MIN_NORMAL_EXP, SIGNED_ZERO)
 
         dims_v = tl.arange(0, DIM_V_PAD)
         v_mask = head_valid[:, None] & (dims_v < DIM_V)[None, :]
