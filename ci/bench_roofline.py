@@ -111,13 +111,8 @@ def save_checkpoint(config, folder: str, device: torch.device, dtype: torch.dtyp
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built directly in dtype: an 8B model in fp32 would need 32 GB first
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default)
+    with torch.device(device):  # fp32 first, as transformers initialises it (8B: 32 GB, then 16 GB in bf16)
+        model = LlamaForCausalLM(config).to(dtype).eval()
     path = os.path.join(folder, "llama")
     model.save_pretrained(path)
     return path, model
