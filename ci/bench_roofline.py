@@ -164,7 +164,7 @@ def bench_engine(engine, clock: Clock, batches: list[int], prompt_len: int, max_
     rows = []
     for batch in batches:
         batch_prompts = prompts(batch, prompt_len, engine.runner.vocab_size)
-        for timed in (False, True):  # the first round warms up (and captures nothing new: graphs exist)
+        for _ in range(2):  # the first round warms up; the second is the one kept
             start_batch(engine, batch_prompts, max_tokens)
             seconds = clock.time(lambda: drain(engine))
         step_ms = 1e3 * seconds / (max_tokens - 1)
