@@ -13,6 +13,8 @@ Parts (all by default; `--parts` picks some):
   steps' span (1 - union of kernel/memcpy intervals / first start .. last end), kernels and
   memcpys per step, CUDA/HIP synchronize calls per step (cudaStreamSynchronize & co, host side),
   and the top kernels by time. The profiler's own host overhead inflates idle % a little.
+* fusions: a layer's rope + KV write and SiLU-and-mul at the 8B shape for T = 1, 16, 64 tokens,
+  eager (model_ops.rotary + kernels_rocm.kv_cache; F.silu * up) vs the fused Triton kernel.
 * gemm: the skinny projections of the 8B shape (qkv, o_proj, gate_up, down, lm_head) at M = 1..64:
   cuBLAS (F.linear) vs kernels_rocm.skinny_gemm (split-K Triton, best of a few tile configs; its time
   includes the fp32 zero-fill and the final cast), as GB/s of weight bytes and % of copy bandwidth.
@@ -47,7 +49,7 @@ if "--smoke" in sys.argv:  # Triton reads the flag when a kernel is decorated (a
 
 import torch  # noqa: E402
 
-PARTS = ("copy", "transformers", "engine", "profile", "gemm")
+PARTS = ("copy", "fusions", "transformers", "engine", "profile", "gemm")
 PROMPT_SEED = 0
 
 
@@ -229,6 +231,48 @@ def profile_engine(engine, clock: Clock, batch: int, prompt_len: int, steps: int
     return result
 
 
+def bench_fusions(clock: Clock, tokens: list[int], smoke: bool) -> list[dict]:
+    import torch.nn.functional as F
+
+    from kernels_rocm.activation import silu_and_mul
+    from kernels_rocm.kv_cache import write_kv_cache
+    from kernels_rocm.rope_kv_cache import rope_write_kv_cache
+    from model_ops.rotary import RotaryEmbedding
+
+    config = llama_config(smoke)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    dtype = torch.float32 if smoke else torch.bfloat16
+    with torch.device(clock.device):
+        rotary = RotaryEmbedding(config, dim)
+    g = torch.Generator(device=clock.device).manual_seed(0)
+    cache = torch.randn(2, 256, 16, kv_heads, dim, generator=g, device=clock.device).to(dtype)
+    rows = []
+    for t in tokens:
+        qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g, device=clock.device).to(dtype)
+        q, k, v = (x.view(t, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+        cos, sin = rotary.cos_sin(torch.randint(0, 4096, (t,), device=clock.device), dtype)
+        slots = torch.randperm(256 * 16, device=clock.device)[:t]
+
+        def eager_rope():
+            write_kv_cache(rotary.apply(k, cos, sin), v, cache[0], cache[1], slots)
+            return rotary.apply(q, cos, sin)
+
+        x = torch.randn(t, 2 * config.intermediate_size, generator=g, device=clock.device).to(dtype)
+
+        def eager_silu():
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        for name, eager, fused in (
+            ("rope + KV write", eager_rope, lambda: rope_write_kv_cache(q, k, v, cache[0], cache[1], cos, sin, slots)),
+            ("SiLU-and-mul", eager_silu, lambda: silu_and_mul(x)),
+        ):
+            eager_us, fused_us = clock.kernel_us(eager), clock.kernel_us(fused)
+            rows.append(dict(op=name, tokens=t, eager_us=eager_us, fused_us=fused_us, speedup=eager_us / fused_us))
+    return rows
+
+
 GEMM_SHAPES = {  # name -> (N, K) of the Llama-3.1-8B projections (weights [N, K])
     "qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
     "lm_head": (128256, 4096),
@@ -303,6 +347,12 @@ def markdown(results: dict) -> str:
                       "| kernel | us / step | calls / step |", "|---|---|---|"]
             lines += [f"| `{k['name']}` | {k['us_per_step']:.1f} | {k['calls_per_step']:.1f} |" for k in p["top_kernels"]]
         lines.append("")
+    if results.get("fusions"):
+        lines += ["### Fused decode ops vs their eager versions (one layer)", "",
+                  "| op | tokens | eager us | fused us | speedup |", "|---|---|---|---|---|"]
+        lines += [f"| {r['op']} | {r['tokens']} | {r['eager_us']:.1f} | {r['fused_us']:.1f} | {r['speedup']:.1f}x |"
+                  for r in results["fusions"]]
+        lines.append("")
     if results.get("gemm"):
         lines += ["### Skinny GEMMs: cuBLAS (F.linear) vs split-K Triton (kernels_rocm.skinny_gemm)", "",
                   "| shape | N x K | M | cuBLAS us | % of copy | Triton us | % of copy | Triton tiles | faster |",
@@ -366,6 +416,8 @@ def main() -> None:
 
     timed_part("copy", lambda: copy_bandwidth(clock, (64 << 20) if args.smoke else (2 << 30)))
     copy_gbps = results["copy"]["gbps"]
+    if "fusions" in parts:
+        timed_part("fusions", lambda: bench_fusions(clock, [2, 5] if args.smoke else [1, 16, 64], args.smoke))
     if "gemm" in parts:
         timed_part("gemm", lambda: bench_gemm(clock, [int(m) for m in args.gemm_m.split(",")], copy_gbps, args.smoke))
     with tempfile.TemporaryDirectory() as folder:
