@@ -59,14 +59,11 @@ class PagedAttention(CachedAttention):
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                rope: Rope | None = None) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> [T, Hq, D]. With `rope`, q and
-        k are not rotated yet: the backend rotates them as it writes the cache."""
+                rope: Rope) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens, q and k not rotated yet -> [T, Hq, D].
+        The backend rotates q and k by `rope` as it writes the cache (one kernel on Triton)."""
         cache, backend = self._bound()
         if not isinstance(backend, MHABackend):
             raise TypeError(f"MHA layer bound to {type(backend).__name__}, which is not an MHABackend")
-        if rope is None:
-            backend.write(cache, (k, v), meta.slot_mapping, self.kv_scales)
-        else:
-            q = backend.write_rotated(cache, q, (k, v), *rope, meta.slot_mapping, self.kv_scales)
+        q = backend.write_rotated(cache, q, (k, v), *rope, meta.slot_mapping, self.kv_scales)
         return backend.attend(q, cache, meta, self.scale, self.kv_scales)
