@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the GPU tests and every benchmark, results under $OUT.
 #
-#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy]
+#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy] [roofline]
+#
+# roofline (not in the default set; one H100, < 9 min) runs ci/bench_roofline.py: the Llama-3.1-8B shape's
+# decode step vs the copy-bandwidth roofline and transformers at batch 1/16/64, a torch.profiler
+# breakdown (GPU idle %, kernels and synchronize calls per step), and cuBLAS vs split-K Triton skinny
+# GEMMs; $BENCH_ROOFLINE_ARGS passes flags (e.g. "--parts engine,profile").
 #
 # mxfp4_accuracy (not in the default set) builds tiny-kimi-mxfp4 into the zoo cache and measures its
 # accuracy against tiny-kimi, with and without fp8 KV (ci/bench_mxfp4_accuracy.py).
@@ -48,6 +53,7 @@ for part in "${parts[@]}"; do
              ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
     prefix) run gsm8k_prefix env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k_prefix" \
              GSM8K_COMPARE=--no-enable-prefix-caching ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
+    roofline) run bench_roofline python3 ci/bench_roofline.py ${BENCH_ROOFLINE_ARGS:-} ;;
     mxfp4_accuracy) run bench_mxfp4_accuracy python3 ci/bench_mxfp4_accuracy.py --out "$OUT" ;;
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
   esac
