@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from model_ops import tp
 from model_ops.activation import silu_and_mul
+from model_ops.tp import TPSlice
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -151,17 +153,37 @@ def select_experts_impl(device: torch.device) -> ExpertsFn:
 
 
 class FusedExperts(nn.Module):
-    """`mlp.experts`: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I]."""
+    """`mlp.experts`: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I].
+
+    Under tensor parallelism every rank holds every expert's slice [r I/N, (r+1) I/N) of the
+    intermediate dim (w13: its gate rows then its up rows), so routing needs no communication and
+    `forward` returns this rank's partial sum: the MoE block all-reduces it (with the shared
+    experts' partial sum, in one collective)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.full_intermediate = intermediate_size
+        self.rows = tp.rank_range(intermediate_size, "moe_intermediate_size")
+        self.num_experts, self.intermediate_size = num_experts, self.rows[1] - self.rows[0]
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size), requires_grad=False)
         self.impl = select_experts_impl(self.w13.device)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return self.impl(x, self.w13, self.w2, topk_weights, topk_ids)
+
+    def tp_granularity(self, param: str, along_input: bool) -> tuple[int, int]:
+        """As Linear.tp_granularity (w2 splits along its input features, w13 along its outputs)."""
+        return 1, 1
+
+    # TPSharded: per-expert tensors are [I, H] (gate, up) and [H, I] (down); stacked ones [E, 2I, H] / [E, H, I].
+    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice:
+        full, (a, b) = self.full_intermediate, self.rows
+        if shard is None:
+            dim, ranges, extent = (1, ((a, b), (full + a, full + b)), 2 * full) if param == "w13" else (2, ((a, b),), full)
+        else:
+            dim, ranges, extent = (1 if str(shard).endswith("down_proj") else 0), ((a, b),), full
+        return TPSlice(dim, extent, ranges, *self.tp_granularity(param, param == "w2"))
 
     # ShardedParameters (atom_like.loader.weights): one shard per expert and projection, "3.up_proj".
     def weight_shards(self, param: str) -> list[str]:

@@ -8,7 +8,6 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
@@ -16,9 +15,11 @@ from atom_like.config import (EngineArgs, load_model_config, resolve_device, res
                               resolve_max_model_len, text_config)
 from atom_like.engine.block_manager import BlockManager
 from atom_like.engine.detokenizer import IncrementalDetokenizer
-from atom_like.engine.model_runner import ModelRunner, ProposerFactory
+from atom_like.engine.model_runner import ProposerFactory
 from atom_like.engine.scheduler import Scheduler
 from atom_like.engine.sequence import Sequence
+from atom_like.engine.step_inputs import StepBatch
+from atom_like.engine.tp_executor import StepExecutor, make_executor
 from atom_like.sampling_params import RequestOutput, SamplingParams
 from spec_decode.stats import SpecStats
 
@@ -47,13 +48,17 @@ class LLMEngine:
         self.device = resolve_device(self.args.device)
         self.dtype = resolve_dtype(self.args.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(self.args.max_model_len, self.hf_config)
+        # -tp 1: a ModelRunner in this process; else tensor-parallel workers (a torchrun rank > 0
+        # never returns from here: it serves rank 0's steps, then exits)
+        self.runner: StepExecutor = make_executor(self.args, self.hf_config, self.device, self.dtype,
+                                                  self.max_model_len, proposer_factory)
         self.tokenizer = self._load_tokenizer()
-        self.runner = ModelRunner(self.args, self.hf_config, self.device, self.dtype, self.max_model_len, proposer_factory)
         self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size)
         self.eos_token_ids = self._eos_token_ids()
         self.scheduler = Scheduler(self.block_manager, self.args.max_num_seqs, self.args.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids, self.runner.num_spec_tokens)
         self.requests: dict[str, _Request] = {}
+        self._finished_ids: list[str] = []  # finished since the last step; the runner drops their state
         self._ids = itertools.count()
         logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d", self.args.model, self.device,
                     str(self.dtype).removeprefix("torch."), self.max_model_len)
@@ -113,10 +118,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq = Sequence(request_id, ids, params, generator)
+        seq = Sequence(request_id, ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None
         self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None, detok)
         self.scheduler.add(seq)
@@ -126,6 +128,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.finish(request.seq, "abort")
+            self._finished_ids.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -143,8 +146,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        results = self.runner.execute(batch)
+        step = StepBatch.from_scheduled(batch, self._finished_ids)
+        self._finished_ids.clear()
+        results = self.runner.execute(step)
         return [self._output(seq) for seq in self.scheduler.update(batch, results)]
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at -tp 1); also runs at interpreter exit."""
+        self.runner.shutdown()
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]
@@ -162,6 +171,7 @@ class LLMEngine:
         request.num_seen = len(generated)
         if seq.finished:
             del self.requests[seq.request_id]
+            self._finished_ids.append(seq.request_id)
         return RequestOutput(
             request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             text=request.detokenizer.text if request.detokenizer is not None else "", token_ids=list(generated),

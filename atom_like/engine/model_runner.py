@@ -3,6 +3,11 @@
 The KV pool is sized, allocated and bound only through KV-cache builders (the target's, plus
 the proposer's), so this file knows no cache layout and has no draft-specific branches. One
 extra block beyond those the block manager hands out serves as scratch for padded graph rows.
+
+Under tensor parallelism one ModelRunner runs in each rank's process (engine/tp_executor.py)
+on the same StepBatch: the model's collectives give every rank identical logits, and the
+runner owns every RNG sampling draws from (the shared one seeded with --seed, one per seeded
+request), so every rank samples, verifies and proposes the same tokens.
 """
 from __future__ import annotations
 
@@ -19,12 +24,13 @@ from transformers import PretrainedConfig
 from atom_like.config import EngineArgs, text_config
 from atom_like.engine.cuda_graph import DecodeGraphs
 from atom_like.engine.sampler import row_sampling_tensors, token_logprobs
-from atom_like.engine.scheduler import ScheduledBatch, SeqStepResult
+from atom_like.engine.scheduler import SeqStepResult
 from atom_like.engine.speculative import build_eagle3_proposer
-from atom_like.engine.step_inputs import StepInputs, batch_host_step, host_step, upload
+from atom_like.engine.step_inputs import SeqStep, StepBatch, StepInputs, batch_host_step, host_step, upload
 from atom_like.loader.weights import iter_checkpoint, load_weights
 from atom_like.models.base import CausalLM
 from atom_like.models.registry import build_model, target_model_class
+from model_ops import tp
 from model_ops.attention.kv_builder import KVCacheBuilder, PagedKVCacheBuilder
 from spec_decode.proposer import ProposeInputs, Proposer
 from spec_decode.rejection import verify
@@ -37,6 +43,8 @@ ProposerFactory = Callable[["ModelRunner"], Proposer]
 
 
 class ModelRunner:
+    failure: str | None = None  # StepExecutor: an in-process runner never becomes unusable
+
     def __init__(self, args: EngineArgs, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, proposer_factory: ProposerFactory | None = None):
         """`proposer_factory` replaces the EAGLE3 proposer (tests and benchmarks use an oracle)."""
@@ -65,7 +73,8 @@ class ModelRunner:
         # a verify step plus its draft chain reaches 2k slots past the last verified token
         self.max_blocks_per_seq = math.ceil((max_model_len + 2 * self.num_spec_tokens) / args.block_size)
         self.generator = torch.Generator(device=device).manual_seed(args.seed)
-        self.num_blocks = self._plan_num_blocks()
+        self.request_generators: dict[str, torch.Generator] = {}  # requests that bring a seed
+        self.num_blocks = tp.agree_min(self._plan_num_blocks())  # every rank holds the same blocks
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_bytes / 2**20)
@@ -79,6 +88,17 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         return sum(b.compute_block_bytes() for b in self.builders)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of this rank's weights, target and draft (a tensor they share counted once)."""
+        params = {id(p): p for p in self.model.parameters()}
+        if self.proposer is not None:
+            params.update((id(p), p) for m in self.proposer.modules_to_bind() for p in m.parameters(recurse=False))
+        return sum(p.numel() * p.element_size() for p in params.values())
+
+    def shutdown(self) -> None:
+        """Nothing to release in-process (the tensor-parallel executors stop their workers)."""
 
     def _allocate_kv_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
         tensors: dict[str, torch.Tensor] = {}
@@ -148,7 +168,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[SeqStepResult]:
+    def execute(self, batch: StepBatch) -> list[SeqStepResult]:
+        for request_id in batch.finished_request_ids:
+            self.request_generators.pop(request_id, None)
         host = batch_host_step(batch, self.block_size)
         graphed = self.graphs is not None and self.graphs.eligible(batch)
         if graphed:
@@ -165,39 +187,45 @@ class ModelRunner:
             self._propose(batch, step, sampling, results, graphed)
         return results
 
-    def _verify(self, batch: ScheduledBatch, step: StepInputs, logits: torch.Tensor, sampling: list[int],
+    def _request_generator(self, seq: SeqStep) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        if seq.request_id not in self.request_generators:
+            self.request_generators[seq.request_id] = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return self.request_generators[seq.request_id]
+
+    def _verify(self, batch: StepBatch, step: StepInputs, logits: torch.Tensor, sampling: list[int],
                 results: list[SeqStepResult]) -> None:
         """Sample each sampling sequence's next token, verifying its draft tokens first if it has any."""
         items = [batch.seqs[i] for i in sampling]
         rows = [step.rows_per_seq[i] for i in sampling]
-        st = row_sampling_tensors([item.seq for item in items], rows, self.vocab_size, logits.device)
+        st = row_sampling_tensors([item.params for item in items], [self._request_generator(item) for item in items],
+                                  rows, self.vocab_size, logits.device)
         forced = self.proposer.forced_acceptance if self.proposer else None
         verified = verify(logits, [item.spec_token_ids for item in items], st, self.generator, forced_acceptance=forced)
         starts = list(itertools.accumulate([0] + rows[:-1]))
         row_of_token = [start + j for start, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
         seq_of_token = [b for b, toks in enumerate(verified.token_ids) for _ in toks]
         flat = torch.tensor([t for toks in verified.token_ids for t in toks], device=logits.device)
-        logprobs = token_logprobs(logits[row_of_token], flat, [items[b].seq.params.logprobs for b in seq_of_token])
+        logprobs = token_logprobs(logits[row_of_token], flat, [items[b].params.logprobs for b in seq_of_token])
         n = 0
         for i, item, accepted, toks in zip(sampling, items, verified.num_accepted, verified.token_ids):
             results[i].new_token_ids, results[i].num_accepted = toks, accepted
-            if item.seq.params.logprobs is not None:
+            if item.params.logprobs is not None:
                 results[i].logprobs = logprobs[n:n + len(toks)]
             n += len(toks)
 
-    def _propose(self, batch: ScheduledBatch, step: StepInputs, sampling: list[int], results: list[SeqStepResult],
+    def _propose(self, batch: StepBatch, step: StepInputs, sampling: list[int], results: list[SeqStepResult],
                  graphed: bool) -> None:
         qsl = step.meta.query_start_loc.tolist()
         last_rows, next_tokens = [], []
         for b, item in enumerate(batch.seqs):
             res = results[b]
-            last_rows.append(qsl[b] + item.num_new_tokens - 1 + res.num_accepted)
-            if item.samples:
-                next_tokens.append(res.new_token_ids[-1])
-            else:  # an unfinished prompt: its next chunk starts with this token
-                next_tokens.append(item.seq.token_ids[item.seq.num_computed_tokens + item.num_new_tokens])
-        request_ids = [batch.seqs[i].seq.request_id for i in sampling]
-        num_generated = [batch.seqs[i].seq.num_generated + len(results[i].new_token_ids) for i in sampling]
+            last_rows.append(qsl[b] + len(item.token_ids) - 1 + res.num_accepted)
+            # an unfinished prompt: its next chunk starts with next_token_id
+            next_tokens.append(res.new_token_ids[-1] if item.samples else item.next_token_id)
+        request_ids = [batch.seqs[i].request_id for i in sampling]
+        num_generated = [batch.seqs[i].num_generated + len(results[i].new_token_ids) for i in sampling]
         if graphed:
             drafts = self.graphs.run_draft(step, last_rows, next_tokens, request_ids, num_generated)
         else:

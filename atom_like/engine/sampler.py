@@ -3,19 +3,18 @@ from __future__ import annotations
 
 import torch
 
-from atom_like.engine.sequence import Sequence
-from atom_like.sampling_params import TokenLogprobs
+from atom_like.sampling_params import SamplingParams, TokenLogprobs
 from model_ops.sampling import SamplingTensors
 
 
-def row_sampling_tensors(seqs: list[Sequence], rows_per_seq: list[int], vocab_size: int,
-                         device: torch.device) -> SamplingTensors:
+def row_sampling_tensors(params: list[SamplingParams], generators: list[torch.Generator | None],
+                         rows_per_seq: list[int], vocab_size: int, device: torch.device) -> SamplingTensors:
     """Sampling settings for logits rows: each sequence's settings (and generator) repeated over
     its rows (its draft tokens + 1 when verifying, else 1)."""
-    expanded = [s for s, n in zip(seqs, rows_per_seq) for _ in range(n)]
+    expanded = [(p, g) for p, g, n in zip(params, generators, rows_per_seq) for _ in range(n)]
     return SamplingTensors.build(
-        [s.params.temperature for s in expanded], [s.params.top_k for s in expanded],
-        [s.params.top_p for s in expanded], [s.generator for s in expanded], vocab_size, device,
+        [p.temperature for p, _ in expanded], [p.top_k for p, _ in expanded],
+        [p.top_p for p, _ in expanded], [g for _, g in expanded], vocab_size, device,
     )
 
 

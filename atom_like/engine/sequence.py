@@ -4,8 +4,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from atom_like.sampling_params import SamplingParams, TokenLogprobs
 
 
@@ -16,13 +14,11 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None = None):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.generator = generator  # per-request RNG when the request brings a seed
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is valid in the cache

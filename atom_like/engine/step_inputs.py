@@ -1,14 +1,49 @@
-"""One step's flat inputs: built on the host from the scheduled batch, then uploaded either to
-fresh device tensors (eager) or into a decode graph's static buffers (see cuda_graph.py)."""
+"""One step's inputs. The scheduler's batch becomes a StepBatch (host values only: what the
+runner needs of each sequence, so it pickles small for tensor-parallel workers), then flat
+arrays on the host, then device tensors: fresh ones (eager) or a decode graph's static buffers
+(see cuda_graph.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from atom_like.engine.scheduler import ScheduledBatch
+from atom_like.sampling_params import SamplingParams
 from model_ops.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class SeqStep:
+    """One scheduled sequence as the runner sees it."""
+    request_id: str
+    token_ids: list[int]  # the known tokens computed this step (a prompt chunk, or the last sampled token)
+    spec_token_ids: list[int]  # draft tokens verified after them
+    start: int  # position of token_ids[0]: the tokens already in the KV cache
+    block_table: list[int]
+    samples: bool  # the step ends at the sequence's last known token, so it yields a new token
+    next_token_id: int | None  # a prompt chunk that does not sample: the prompt token after it (the draft's input)
+    params: SamplingParams
+    num_generated: int  # tokens generated before this step
+
+
+@dataclass
+class StepBatch:
+    seqs: list[SeqStep]
+    # requests finished since the previous step: the runner drops their state (seeded generators)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_scheduled(cls, batch: ScheduledBatch, finished_request_ids: list[str]) -> "StepBatch":
+        seqs = []
+        for item in batch.seqs:
+            seq = item.seq
+            c, n = seq.num_computed_tokens, item.num_new_tokens
+            seqs.append(SeqStep(seq.request_id, seq.token_ids[c:c + n], list(item.spec_token_ids), c,
+                                list(seq.block_table), item.samples,
+                                None if item.samples else seq.token_ids[c + n], seq.params, seq.num_generated))
+        return cls(seqs, list(finished_request_ids))
 
 
 @dataclass
@@ -58,15 +93,14 @@ def host_step(tokens: list[np.ndarray], starts: list[int], tables: list[list[int
                     np.array(starts, dtype=np.int64) + lens, block_tables, rows, [len(r) for r in logits_rows])
 
 
-def batch_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
+def batch_host_step(batch: StepBatch, block_size: int) -> HostStep:
     tokens, starts, tables, logits_rows = [], [], [], []
-    for item in batch.seqs:
-        seq = item.seq
-        c, n = seq.num_computed_tokens, item.num_new_tokens
-        tokens.append(np.array(seq.token_ids[c:c + n] + item.spec_token_ids, dtype=np.int64))
-        starts.append(c)
-        tables.append(seq.block_table)
-        logits_rows.append(list(range(n - 1, n + len(item.spec_token_ids))) if item.samples else [])
+    for s in batch.seqs:
+        n = len(s.token_ids)
+        tokens.append(np.array(s.token_ids + s.spec_token_ids, dtype=np.int64))
+        starts.append(s.start)
+        tables.append(s.block_table)
+        logits_rows.append(list(range(n - 1, n + len(s.spec_token_ids))) if s.samples else [])
     return host_step(tokens, starts, tables, logits_rows, block_size)
 
 

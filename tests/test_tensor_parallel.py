@@ -1,0 +1,136 @@
+"""Tensor parallelism on CPU (gloo, fp32): -tp 2 and -tp 4 give exactly the tokens of -tp 1, for
+every model family and both EAGLE3 drafts (with the same acceptance, so the sharded drafts propose
+what the whole ones do); each rank holds ~1/N of the weights; a dead worker ends the engine with
+an error naming it and leaves no process; bad -tp values are refused before any process starts.
+
+Each engine here spawns its workers (a few seconds each on two cores), so every engine serves
+all the assertions it can. The server (tests/test_tensor_parallel_server.py) and torchrun
+launches have their own module.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from atom_like import EngineArgs, LLMEngine, SamplingParams
+from atom_like.config import load_model_config
+from atom_like.engine.step_inputs import SeqStep, StepBatch
+from atom_like.engine.tp_executor import WorkerError, check_tensor_parallel
+
+rng = np.random.default_rng(5)
+PROMPTS = [[int(x) for x in rng.integers(0, 128, n)] for n in (3, 29, 9)]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seed=s) for s in (1, 2, 3)]
+COMMON = dict(max_model_len=96, max_num_seqs=4)
+
+
+def generate(engine: LLMEngine, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def trace(engine: LLMEngine, prompts=PROMPTS, params=GREEDY) -> tuple[list[list[int]], list, tuple]:
+    """(tokens per prompt, every step's draft proposals, speculation counters), stepping by hand."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    done, proposals = {}, []
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        proposals.append(sorted((rid, r.seq.spec_token_ids) for rid, r in engine.requests.items()))
+    s = engine.spec_stats
+    return [done[i] for i in ids], proposals, (s.num_drafts, s.num_accepted_tokens, s.accepted_per_position)
+
+
+def assert_all_exited(engine: LLMEngine) -> None:
+    procs = engine.runner.procs
+    assert all(p.exitcode is not None for p in procs), [(p.pid, p.exitcode) for p in procs]
+    for p in procs:
+        with pytest.raises(ProcessLookupError):
+            os.kill(p.pid, 0)
+
+
+def check_spec_pair(target: str, draft: str, tp_size: int, prompts=PROMPTS, k: int = 3) -> LLMEngine:
+    """-tp N with speculation: the tokens of -tp 1 without it, and at every step the proposals
+    (so the acceptance) of -tp 1 with it."""
+    plain = generate(LLMEngine(target, **COMMON), prompts)
+    spec = dict(method="eagle3", draft_model=draft, num_speculative_tokens=k, **COMMON)
+    one = trace(LLMEngine(target, **spec), prompts)
+    assert one[0] == plain
+    engine = LLMEngine(target, tensor_parallel_size=tp_size, **spec)
+    assert trace(engine, prompts) == one
+    return engine
+
+
+def test_llama_tp2_greedy_seeded_weights_and_a_killed_worker(make_llama):
+    path = make_llama()
+    one = LLMEngine(path, **COMMON)
+    engine = LLMEngine(path, tensor_parallel_size=2, **COMMON)
+    assert generate(engine) == generate(one)
+    # seeded sampling: every rank draws the same noise as -tp 1 does
+    assert generate(engine, params=SEEDED) == generate(one, params=SEEDED)
+
+    # weights: only the norms are replicated, so each rank holds half (and no rank the whole model)
+    total = one.runner.param_bytes
+    per_rank = [info.param_bytes for info in engine.runner.infos]
+    assert all(total / 2 <= b <= total / 2 * 1.01 for b in per_rank), (total, per_rank)
+
+    # kill rank 1 between steps: rank 0 then blocks in the next step's first collective
+    engine.add_request(PROMPTS[1], GREEDY)
+    engine.step()
+    os.kill(engine.runner.procs[1].pid, signal.SIGKILL)
+    with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) died: killed by SIGKILL"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert_all_exited(engine)
+    with pytest.raises(WorkerError, match="rank 1"):  # and it stays down, saying why
+        engine.step()
+
+
+def test_llama_tp4_more_ranks_than_kv_heads_with_the_eagle3_mha_draft(make_llama, make_eagle3_llama):
+    target = make_llama()  # 4 heads, 2 KV heads: at -tp 4 each KV head lives on two ranks
+    engine = check_spec_pair(target, make_eagle3_llama(target, aux_layer_ids=[0, 1, 2]), 4)
+    engine.shutdown()
+    assert_all_exited(engine)
+
+
+def test_deepseek_v3_tp2_with_the_eagle3_mla_draft_and_a_failing_step(make_deepseek, make_eagle3_mla):
+    target = make_deepseek("v3")  # grouped noaux_tc routing, a shared expert, a dense first layer
+    engine = check_spec_pair(target, make_eagle3_mla(target), 2)
+    # a worker that raises (a block id far outside the pool) is reported with its error
+    bad = SeqStep("bad", [1, 2], [], 0, [10**9], True, None, GREEDY, 0)
+    with pytest.raises(WorkerError, match=r"rank \d failed: IndexError"):
+        engine.runner.execute(StepBatch([bad]))
+    assert_all_exited(engine)
+
+
+def test_kimi_k25_tp4_with_the_shipped_eagle3_mla_draft():
+    """The zoo's trained tiny-kimi pair, so the drafts really are accepted (and equally often)."""
+    from atom_like.zoo import model_path
+
+    prompts = ["The capital of France is", "Once upon a time, there was a little"]
+    engine = check_spec_pair(model_path("tiny-kimi"), model_path("tiny-kimi-eagle3-mla"), 4, prompts)
+    assert engine.spec_stats.num_accepted_tokens > 0
+    engine.shutdown()
+    assert_all_exited(engine)
+
+
+@pytest.mark.parametrize("tp_size, message", [
+    (3, "vocab_size 128 is not divisible by --tensor-parallel-size 3"),
+    (8, "num_attention_heads 4 is not divisible by --tensor-parallel-size 8"),
+])
+def test_a_tp_the_model_cannot_be_split_by_is_refused_before_any_process_starts(make_llama, tp_size, message):
+    import multiprocessing
+
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(make_llama(), tensor_parallel_size=tp_size, **COMMON)
+    assert not multiprocessing.active_children()
+
+
+def test_more_ranks_than_gpus_is_refused(make_llama, monkeypatch):
+    path = make_llama()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs 2 GPUs .* torch sees 1"):
+        check_tensor_parallel(EngineArgs(model=path, tensor_parallel_size=2), load_model_config(path), torch.float32,
+                              torch.device("cuda"))
