@@ -10,16 +10,21 @@ launches have their own module.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from atom_like import EngineArgs, LLMEngine, SamplingParams
-from atom_like.config import load_model_config
+from atom_like.config import load_model_config, text_config
 from atom_like.engine.step_inputs import SeqStep, StepBatch
 from atom_like.engine.tp_executor import WorkerError, check_tensor_parallel
+from atom_like.loader.weights import iter_checkpoint, load_weights, tp_part
+from atom_like.models.registry import build_model, target_model_class
+from model_ops.tp import tp_state
 
 rng = np.random.default_rng(5)
 PROMPTS = [[int(x) for x in rng.integers(0, 128, n)] for n in (3, 29, 9)]
@@ -134,3 +139,57 @@ def test_more_ranks_than_gpus_is_refused(make_llama, monkeypatch):
     with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs 2 GPUs .* torch sees 1"):
         check_tensor_parallel(EngineArgs(model=path, tensor_parallel_size=2), load_model_config(path), torch.float32,
                               torch.device("cuda"))
+
+
+# ----------------------------------------------------------------------------- loading (no processes)
+
+def rank_params(path: str, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """The parameters rank `rank` of `size` loads (tensor-parallel state set, no group needed)."""
+    config = load_model_config(path)
+    with tp_state(rank, size):
+        model = build_model(target_model_class(config), text_config(config), torch.float32, torch.device("cpu"))
+        load_weights(model, iter_checkpoint(path), model.weight_map())
+        parts = {name: tp_part(model, name, None) for name, _ in model.named_parameters()}
+        index = {name: part.stored_index(name) for name, part in parts.items() if part is not None}
+    return {name: (p.data, parts[name], index.get(name)) for name, p in model.named_parameters()}
+
+
+def stack_experts(src: str, dst) -> str:
+    """The checkpoint with transformers' stacked expert tensors instead of per-expert ones."""
+    path = shutil.copytree(src, dst)
+    tensors, experts = load_file(str(path / "model.safetensors")), {}
+    for name in [n for n in tensors if ".experts." in n]:
+        prefix, e, proj, _ = name.rsplit(".", 3)
+        experts.setdefault(prefix, {})[(int(e), proj)] = tensors.pop(name)
+    for prefix, parts in experts.items():
+        n = 1 + max(e for e, _ in parts)
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]])
+                                                         for e in range(n)])
+        tensors[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.mark.parametrize("arch, size", [("llama", 4), ("v3", 2), ("v3-stacked", 4)])
+def test_each_rank_loads_exactly_its_slice_of_every_tensor(make_llama, make_deepseek, tmp_path, arch, size):
+    """Per-projection and per-expert checkpoint tensors, each cut for one rank, give that rank
+    the slice of the whole (fused) parameter its TPSlice names; KV heads follow their q heads."""
+    path = make_llama() if arch == "llama" else make_deepseek("v3")
+    full = rank_params(path, 0, 1)
+    if arch == "v3-stacked":
+        path = stack_experts(path, tmp_path / "stacked")
+    for rank in range(size):
+        local = rank_params(path, rank, size)
+        assert local.keys() == full.keys()
+        split = 0
+        for name, (tensor, part, index) in local.items():
+            whole = full[name][0]
+            expected = whole if part is None else torch.cat([whole[i] for i in index], dim=part.dim)
+            assert torch.equal(tensor, expected), name
+            split += part is not None
+        assert split > len(local) // 3
+        if arch == "llama":  # 4 q heads, 2 KV heads of 16 dims: rank r holds q head r and KV head r // 2
+            qkv, qkv_full = local["model.layers.0.self_attn.qkv_proj.weight"][0], full["model.layers.0.self_attn.qkv_proj.weight"][0]
+            assert torch.equal(qkv[:16], qkv_full[16 * rank:16 * (rank + 1)])
+            kv_head = rank // 2
+            assert torch.equal(qkv[16:32], qkv_full[64 + 16 * kv_head:64 + 16 * (kv_head + 1)])

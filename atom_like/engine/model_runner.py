@@ -145,7 +145,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._allocate_kv_cache(temp_blocks)
-        step = upload(host_step([np.random.randint(0, self.vocab_size, n) for n in lens], [0] * num_seqs,
+        rng = np.random.default_rng(0)  # the same tokens on every tensor-parallel rank (MoE routing sizes buffers)
+        step = upload(host_step([rng.integers(0, self.vocab_size, n) for n in lens], [0] * num_seqs,
                                 [t.tolist() for t in tables], [[n - 1] for n in lens], self.block_size), self.device)
         hidden = self.model(step.input_ids, step.positions, step.meta)
         self.model.compute_logits(hidden[step.logits_rows]).softmax(-1)

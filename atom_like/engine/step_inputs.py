@@ -40,9 +40,10 @@ class StepBatch:
         for item in batch.seqs:
             seq = item.seq
             c, n = seq.num_computed_tokens, item.num_new_tokens
-            seqs.append(SeqStep(seq.request_id, seq.token_ids[c:c + n], list(item.spec_token_ids), c,
-                                list(seq.block_table), item.samples,
-                                None if item.samples else seq.token_ids[c + n], seq.params, seq.num_generated))
+            # the lists are the sequence's own (no copies): the runner reads them before the scheduler moves on
+            seqs.append(SeqStep(seq.request_id, seq.token_ids[c:c + n], item.spec_token_ids, c, seq.block_table,
+                                item.samples, None if item.samples else seq.token_ids[c + n], seq.params,
+                                seq.num_generated))
         return cls(seqs, list(finished_request_ids))
 
 

@@ -371,18 +371,21 @@ class TorchrunExecutor:
         self.num_blocks, self.vocab_size = self.runner.num_blocks, self.runner.vocab_size
         self.num_spec_tokens = self.runner.num_spec_tokens
         self.failure: str | None = None
-        self._open = True
         _log_ranks([_info(self.runner)])
+        # at the latest at interpreter exit: the other ranks wait for rank 0's word to exit cleanly
+        self._finalizer = weakref.finalize(self, _release_torchrun_ranks, self.control)
 
     def execute(self, batch: StepBatch) -> list[SeqStepResult]:
         dist.broadcast_object_list([batch], src=0, group=self.control)
         return self.runner.execute(batch)
 
     def shutdown(self) -> None:
-        if self._open:
-            self._open = False
-            dist.broadcast_object_list([None], src=0, group=self.control)
-            dist.destroy_process_group()
+        self._finalizer()
+
+
+def _release_torchrun_ranks(control: dist.ProcessGroup) -> None:
+    dist.broadcast_object_list([None], src=0, group=control)
+    dist.destroy_process_group()
 
 
 def serve_torchrun_rank(rank: int, local_rank: int, args: EngineArgs, dtype: torch.dtype, max_model_len: int,

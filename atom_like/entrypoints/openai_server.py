@@ -136,6 +136,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     @app.get("/health")
     async def health():
+        if engine.runner.failure is not None:  # a tensor-parallel rank died: the engine cannot run again
+            return JSONResponse({"status": "error", "error": engine.runner.failure}, 503)
         if engine_loop.ready:
             return {"status": "ok"}
         if engine_loop.warmup_error is not None:
@@ -161,8 +163,11 @@ def main(argv: list[str] | None = None) -> None:
     served_model_name = args.served_model_name or os.path.basename(os.path.normpath(engine_args.model))
     app = build_app(engine, served_model_name, args.api_key, args.stats_interval)
     logger.info("serving %r on http://%s:%d", served_model_name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, access_log=not args.disable_uvicorn_access_log,
-                log_level="info")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, access_log=not args.disable_uvicorn_access_log,
+                    log_level="info")
+    finally:  # Ctrl-C or SIGTERM: uvicorn returns after its shutdown; -tp N workers go with us
+        engine.shutdown()
 
 
 if __name__ == "__main__":
