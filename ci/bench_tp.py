@@ -33,6 +33,11 @@ import time
 
 import torch
 
+# NVLink multicast (NVLS) stays off on shared machines: one misbehaving program can take the
+# host's GPUs out of service. Set before NCCL starts; spawned ranks inherit it.
+for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    os.environ.setdefault(_var, "0" if _var == "NCCL_NVLS_ENABLE" else "1")
+
 TP = 2
 ZOO_PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a KV cache is in one sentence.",

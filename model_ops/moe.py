@@ -178,12 +178,13 @@ class FusedExperts(nn.Module):
 
     # TPSharded: per-expert tensors are [I, H] (gate, up) and [H, I] (down); stacked ones [E, 2I, H] / [E, H, I].
     def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice:
-        full, (a, b) = self.full_intermediate, self.rows
+        # (w13 and w2 here; a quantized subclass's w13_* / w2_* companions, e.g. block scales, cut alike)
+        full, (a, b), down = self.full_intermediate, self.rows, param.startswith("w2")
         if shard is None:
-            dim, ranges, extent = (1, ((a, b), (full + a, full + b)), 2 * full) if param == "w13" else (2, ((a, b),), full)
+            dim, ranges, extent = (2, ((a, b),), full) if down else (1, ((a, b), (full + a, full + b)), 2 * full)
         else:
-            dim, ranges, extent = (1 if str(shard).endswith("down_proj") else 0), ((a, b),), full
-        return TPSlice(dim, extent, ranges, *self.tp_granularity(param, param == "w2"))
+            dim, ranges, extent = (1 if down else 0), ((a, b),), full
+        return TPSlice(dim, extent, ranges, *self.tp_granularity(param, down))
 
     # ShardedParameters (atom_like.loader.weights): one shard per expert and projection, "3.up_proj".
     def weight_shards(self, param: str) -> list[str]:

@@ -22,8 +22,9 @@ from atom_like import EngineArgs, LLMEngine, SamplingParams
 from atom_like.config import load_model_config, text_config
 from atom_like.engine.step_inputs import SeqStep, StepBatch
 from atom_like.engine.tp_executor import WorkerError, check_tensor_parallel
-from atom_like.loader.weights import iter_checkpoint, load_weights, tp_part
+from atom_like.loader.weights import check_tp_slices, iter_checkpoint, load_weights, tp_part
 from atom_like.models.registry import build_model, target_model_class
+from model_ops.linear import RowParallelLinear
 from model_ops.tp import tp_state
 
 rng = np.random.default_rng(5)
@@ -193,3 +194,22 @@ def test_each_rank_loads_exactly_its_slice_of_every_tensor(make_llama, make_deep
             assert torch.equal(qkv[:16], qkv_full[16 * rank:16 * (rank + 1)])
             kv_head = rank // 2
             assert torch.equal(qkv[16:32], qkv_full[64 + 16 * kv_head:64 + 16 * (kv_head + 1)])
+
+
+class _BlockQuantizedRowLinear(RowParallelLinear):
+    """What a block-quantized layer declares (MXFP4: 2 FP4 values per stored byte, 32-value blocks)."""
+
+    def tp_granularity(self, param: str, along_input: bool) -> tuple[int, int]:
+        return (2, 32) if along_input else (1, 1)
+
+
+def test_a_split_inside_a_quantization_block_is_refused_naming_the_layer():
+    model = torch.nn.Module()
+    with tp_state(0, 2):
+        model.down_proj = _BlockQuantizedRowLinear(128, 16)  # 64 inputs per rank: two whole blocks
+        check_tp_slices(model)
+        assert model.down_proj.tp_slice("weight", None).stored_index("w") == [(slice(None), slice(0, 32))]
+        model.down_proj = _BlockQuantizedRowLinear(96, 16)  # 48 per rank: rank 1 would start mid-block
+        with pytest.raises(ValueError, match=r"down_proj\.weight: --tensor-parallel-size 2 would cut dim 1 "
+                                             r"\(96 elements\) at element 48, inside a 32-element block"):
+            check_tp_slices(model)

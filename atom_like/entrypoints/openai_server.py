@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server: `python -m atom_like.entrypoints.openai_server --model DIR`.
 
 Every EngineArgs flag is accepted (speculation included: `--method eagle3 --draft-model DIR
---num-speculative-tokens 3`), plus the server's own flags below. The model is loaded before the
+--num-speculative-tokens 3`; `-tp N` for N GPUs, also under torchrun: docs/parallel.md), plus
+the server's own flags below. The model is loaded before the
 port opens (a bad flag or checkpoint exits at once with the reason); /health turns 200 once the
 engine thread has run a warm-up forward. Endpoints:
 
