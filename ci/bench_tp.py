@@ -30,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+from queue import Empty
 
 import torch
 
@@ -69,7 +70,7 @@ def model_configs():
 class Results:
     def __init__(self, out_dir: str, meta: dict):
         self.path = os.path.join(out_dir, "bench_tp.json")
-        self.data = dict(meta=meta, allreduce=[], speed=[], zoo=[], params={})
+        self.data = dict(meta=meta, allreduce=[], speed=[], zoo=[], params={}, errors=[])
         self.out_dir = out_dir
 
     def add(self, part: str, row: dict) -> None:
@@ -141,7 +142,15 @@ def bench_allreduce(results: Results, names: list[str], batches: list[int]) -> N
                  for r in range(TP)]
         for p in procs:
             p.start()
-        measured = queue.get(timeout=600)
+        measured = None
+        while measured is None:
+            try:
+                measured = queue.get(timeout=5)
+            except Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(f"an all-reduce rank failed: exit codes {[p.exitcode for p in procs]}") from None
         for p in procs:
             p.join()
     for key, row in measured.items():
@@ -189,18 +198,23 @@ def bench_speed(results: Results, names: list[str], batches: list[int], prompt_l
         with tempfile.TemporaryDirectory() as folder:
             path, params = save_random_model(configs[name](), os.path.join(folder, name))
             for tp in (1, TP):
-                engine = LLMEngine(path, dtype="bfloat16", max_model_len=prompt_len + max_tokens + 16,
-                                   max_num_seqs=max(batches), gpu_memory_utilization=0.5, tensor_parallel_size=tp)
-                weights = ([engine.runner.param_bytes] if tp == 1 else
-                           [info.param_bytes for info in engine.runner.infos])
-                results.data["params"][f"{name}/tp{tp}"] = dict(params=params, bytes_per_rank=weights)
-                for batch in batches:
-                    batch_prompts = prompts(batch, prompt_len, engine.runner.vocab_size)
-                    decode_tokens_per_s(engine, batch_prompts, max_tokens)  # warm-up
-                    tps = decode_tokens_per_s(engine, batch_prompts, max_tokens)
-                    results.add("speed", dict(model=name, tp=tp, batch=batch, tokens_per_s=tps,
-                                              step_ms=1e3 * batch / tps, weight_gib_per_rank=max(weights) / 2**30))
-                engine.shutdown()
+                engine = None
+                try:  # a failure is recorded and the other configurations still run
+                    engine = LLMEngine(path, dtype="bfloat16", max_model_len=prompt_len + max_tokens + 16,
+                                       max_num_seqs=max(batches), gpu_memory_utilization=0.5, tensor_parallel_size=tp)
+                    weights = ([engine.runner.param_bytes] if tp == 1 else
+                               [info.param_bytes for info in engine.runner.infos])
+                    results.data["params"][f"{name}/tp{tp}"] = dict(params=params, bytes_per_rank=weights)
+                    for batch in batches:
+                        batch_prompts = prompts(batch, prompt_len, engine.runner.vocab_size)
+                        decode_tokens_per_s(engine, batch_prompts, max_tokens)  # warm-up
+                        tps = decode_tokens_per_s(engine, batch_prompts, max_tokens)
+                        results.add("speed", dict(model=name, tp=tp, batch=batch, tokens_per_s=tps, step_ms=1e3 * batch / tps,
+                                                  weight_gib_per_rank=max(weights) / 2**30))
+                except Exception as exc:  # noqa: BLE001
+                    results.add("errors", dict(part="speed", model=name, tp=tp, error=f"{type(exc).__name__}: {exc}"))
+                if engine is not None:
+                    engine.shutdown()
                 del engine
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -241,14 +255,17 @@ def bench_zoo(results: Results, k: int = 3, max_tokens: int = 128) -> None:
                 engine = LLMEngine(str(resolve(target)), dtype="bfloat16", method="eagle3", draft_model=str(resolve(draft)),
                                    num_speculative_tokens=k, max_model_len=4096, max_num_seqs=64,
                                    gpu_memory_utilization=0.3, tensor_parallel_size=tp)
-            except ValueError as exc:  # a pair -tp 2 cannot split (SmolLM2's 9 heads)
-                runs[tp] = dict(error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - e.g. a pair -tp 2 cannot split (SmolLM2's 9 heads)
+                runs[tp] = dict(error=f"{type(exc).__name__}: {exc}")
                 continue
-            source, prompt_ids = zoo_prompts(engine.tokenizer)
-            outs = engine.generate(prompt_ids, params, use_tqdm=False)
-            s = engine.spec_stats
-            runs[tp] = dict(tokens=[o.token_ids for o in outs], mean_acceptance_length=s.mean_acceptance_length,
-                            acceptance_rate=s.acceptance_rate, prompts=source)
+            try:
+                source, prompt_ids = zoo_prompts(engine.tokenizer)
+                outs = engine.generate(prompt_ids, params, use_tqdm=False)
+                s = engine.spec_stats
+                runs[tp] = dict(tokens=[o.token_ids for o in outs], mean_acceptance_length=s.mean_acceptance_length,
+                                acceptance_rate=s.acceptance_rate, prompts=source)
+            except Exception as exc:  # noqa: BLE001
+                runs[tp] = dict(error=f"{type(exc).__name__}: {exc}")
             engine.shutdown()
             del engine
             gc.collect()
@@ -305,6 +322,8 @@ def markdown(data: dict) -> str:
                      for t in ("tp1", f"tp{TP}")]
             lines.append(f"| {r['target']} | {r['draft']} | {cells[0]} | {cells[1]} | "
                          f"{r.get('identical_completions', '-')} | {r.get('same_tokens_before_first_difference', 0):.1%} |")
+    lines += [f"\nERROR ({e['part']}{', ' + e['model'] if 'model' in e else ''}{', tp ' + str(e['tp']) if 'tp' in e else ''}): "
+              f"{e['error']}" for e in data["errors"]]
     return "\n".join(lines) + "\n"
 
 
@@ -329,7 +348,10 @@ def main() -> None:
     parts, names = args.parts.split(","), args.models.split(",")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if "allreduce" in parts:
-        bench_allreduce(results, names, batches)
+        try:
+            bench_allreduce(results, names, batches)
+        except Exception as exc:  # noqa: BLE001
+            results.add("errors", dict(part="allreduce", error=f"{type(exc).__name__}: {exc}"))
     if "speed" in parts:
         bench_speed(results, names, batches, args.prompt_len, args.max_tokens)
     if "zoo" in parts:
