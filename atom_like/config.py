@@ -10,20 +10,24 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from atom_like.loader.quark import ACTIVATION_MODES
 from atom_like.models.config_aliases import register_config_aliases
-from model_ops.attention.backends import BACKEND_CHOICES
+from model_ops.attention.backends import check_backend_choice
+from model_ops.quant.fp8 import fp8_kv_dtype
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3 (vLLM's and ATOM's spelling)
 
 
 @dataclass
@@ -40,9 +44,11 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata={"help": "Longest prompt + output (default: the model's max_position_embeddings)."})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "Fraction of GPU memory the engine may use (weights, activations, KV cache)."})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "KV-cache blocks, overriding the automatic size."})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV-cache dtype: auto (= model dtype)."})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV-cache dtype: auto (= model dtype) | fp8 | fp8_e4m3 (e4m3 with per-tensor scales from the checkpoint, else 1.0; e4m3fnuz on MI300, e4m3fn elsewhere)."})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "Reuse the KV of prompt prefixes earlier requests computed (--no-enable-prefix-caching: recompute every prompt)."})
+    mxfp4_activations: str = field(default="checkpoint", metadata={"help": "MXFP4 (Quark) checkpoints: checkpoint = quantize GEMM inputs to MXFP4 as the checkpoint's input_tensors say (W4A4); unquantized = same weights, activations in the model dtype (W4A16)."})
     enforce_eager: bool = field(default=False, metadata={"help": "Never use CUDA/HIP graphs."})
-    attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton | aiter (auto: the torch reference on CPU, the fastest kernel on a GPU)."})
+    attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton (auto: the torch reference on CPU, the fastest kernel on a GPU); aiter is refused until its adapter lands."})
     seed: int = field(default=0, metadata={"help": "Seed for requests that bring none."})
     method: str | None = field(default=None, metadata={"help": "Speculative decoding method: eagle3 (needs --draft-model)."})
     draft_model: str | None = field(default=None, metadata={"help": "EAGLE3 draft checkpoint folder (LlamaForCausalLMEagle3 or Eagle3DeepseekV2ForCausalLM)."})
@@ -58,8 +64,11 @@ class EngineArgs:
             raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"--device must be auto, cuda or cpu; got {self.device!r}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported yet (only auto).")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.mxfp4_activations not in ACTIVATION_MODES:
+            raise ValueError(f"--mxfp4-activations must be one of {', '.join(ACTIVATION_MODES)}; "
+                             f"got {self.mxfp4_activations!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two; got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -69,8 +78,7 @@ class EngineArgs:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"--num-kv-blocks must be >= 1; got {self.num_kv_blocks}")
-        if self.attention_backend not in BACKEND_CHOICES:
-            raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_CHOICES)}; got {self.attention_backend!r}")
+        check_backend_choice(self.attention_backend)
         if self.method not in (None, "eagle3"):
             raise ValueError(f"--method {self.method!r} is not supported; the only method is eagle3")
         if self.method is None and self.draft_model is not None:
@@ -85,11 +93,6 @@ class EngineArgs:
                     f"--max-num-batched-tokens {self.max_num_batched_tokens} cannot hold one verify step "
                     f"({self.num_speculative_tokens} draft tokens + 1)"
                 )
-
-    @property
-    def spec_tokens(self) -> int:
-        """Draft tokens per step, 0 without speculation."""
-        return self.num_speculative_tokens if self.method else 0
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -106,15 +109,19 @@ class EngineArgs:
 def add_flag(parser: argparse.ArgumentParser, name: str, type_: type | str, default: Any, help: str,
              short: str | None = None) -> None:
     """One flag with both spellings (ATOM accepts both, users paste both). `type_` is a type or
-    a dataclass field's string annotation such as "int | None"."""
+    a dataclass field's string annotation such as "int | None". A bool that defaults to off is
+    a switch (`--x`); one that defaults to on also gets its off form (`--no-x`)."""
     spellings = [f"--{name.replace('_', '-')}"]
     if "_" in name:
         spellings.append(f"--{name}")
     if short:
         spellings.insert(0, short)
     kind = type_ if isinstance(type_, type) else _ANNOTATION_TYPES[str(type_).removesuffix(" | None")]
+    if default is not None and kind is not bool:  # --help shows what leaving a flag out means
+        help = f"{help} (default: %(default)s)"
     if kind is bool:
-        parser.add_argument(*spellings, dest=name, action="store_true", default=default, help=help)
+        action = argparse.BooleanOptionalAction if default else "store_true"
+        parser.add_argument(*spellings, dest=name, action=action, default=default, help=help)
     else:
         parser.add_argument(*spellings, dest=name, type=kind, default=default, help=help)
 
@@ -124,9 +131,23 @@ _ANNOTATION_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 # ----------------------------------------------------------------------------- model config
 
-def load_model_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
-    if not os.path.isfile(os.path.join(path, "config.json")):
+def read_config_json(path: str) -> dict[str, Any]:
+    """The checkpoint's config.json as written, or a ValueError naming the file and the fault."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
         raise ValueError(f"{path!r} is not a checkpoint folder: it has no config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            stated = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}): fix it or download it again") from e
+    if not isinstance(stated, dict):
+        raise ValueError(f"{file} holds a JSON {type(stated).__name__}, not an object of config fields")
+    return stated
+
+
+def load_model_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    check_rope_scaling(read_config_json(path), f"{path}/config.json")
     register_config_aliases()
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -134,15 +155,58 @@ def load_model_config(path: str, trust_remote_code: bool = False) -> PretrainedC
         raise ValueError(f"{path}/config.json: {e}") from e
 
 
+_POSITIVE_ROPE_FIELDS = ("factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(stated: dict[str, Any], file: str) -> None:
+    """RoPE scaling numbers must be positive (transformers loads a negative factor silently)."""
+    sections = {"": stated, "text_config.": stated.get("text_config")}
+    for prefix, section in sections.items():
+        if not isinstance(section, dict):
+            continue
+        for key in ("rope_scaling", "rope_parameters"):
+            params = section.get(key)
+            # transformers 5 may nest one dict per attention type under rope_parameters
+            nested = [params] + [v for v in params.values() if isinstance(v, dict)] if isinstance(params, dict) else []
+            for entry in nested:
+                for name in _POSITIVE_ROPE_FIELDS:
+                    value = entry.get(name)
+                    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                  and math.isfinite(value) and value > 0):
+                        raise ValueError(f"{file}: {prefix}{key}.{name} is {value!r}; it must be a positive number "
+                                         "(the checkpoint's context scaling): fix it, or download the config again")
+
+
 def require_stated_fields(config: PretrainedConfig, path: str, fields: tuple[str, ...], needed_by: str) -> None:
-    """Raise, naming the field, if the checkpoint's config.json leaves out one of `fields`: its
-    config class would fill the gap with a default that describes some other model."""
-    with open(os.path.join(path, "config.json")) as f:
-        stated = json.load(f)
+    """Raise, naming the field, if the checkpoint's config.json leaves out one of `fields` (a
+    dotted name reaches into a section, e.g. Kimi's "text_config.hidden_size"): its config class
+    would fill the gap with a default that describes some other model."""
+    stated = read_config_json(path)
     for name in fields:
-        if name not in stated:
-            raise ValueError(f"{path}/config.json has no {name}, which {needed_by} needs; {type(config).__name__} "
-                             f"would default it to {getattr(config, name, None)!r}, another model's value")
+        section: Any = stated
+        for part in name.split("."):
+            section = section.get(part, _MISSING) if isinstance(section, dict) else _MISSING
+        if section is _MISSING:
+            default: Any = config
+            for part in name.split("."):
+                default = getattr(default, part, None)
+            shown = repr(default) if isinstance(default, (int, float, str, type(None))) else f"{type(default).__name__}'s defaults"
+            raise ValueError(f"{path}/config.json has no {name}, which {needed_by} needs: add it (with it missing, "
+                             f"{type(config).__name__} would fill in {shown}, another model's value)")
+
+
+_MISSING = object()
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """transformers' AutoTokenizer, failing with the folder named: a tokenizer file cut short fails
+    deep inside transformers or tokenizers (sometimes with an untyped Exception) without it."""
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # whatever the third-party loaders raise, the user needs the folder
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"the tokenizer in {path} could not be loaded ({type(e).__name__}: {reason}): "
+                         "fix or download its tokenizer files again, or pass --tokenizer DIR") from e
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -167,6 +231,11 @@ def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> 
         return torch.float32
     stored = getattr(text_config(config), "dtype", None) or getattr(config, "torch_dtype", None)
     return torch.float16 if stored in (torch.float16, "float16") else torch.bfloat16
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """auto: the model dtype; fp8 / fp8_e4m3: the platform's e4m3 variant."""
+    return dtype if name == "auto" else fp8_kv_dtype(device)
 
 
 def resolve_max_model_len(requested: int | None, config: PretrainedConfig) -> int:

@@ -1,45 +1,79 @@
 """SamplingParams (what a request asks for) and RequestOutput (what it gets back)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this a temperature means greedy (vLLM's threshold): dividing logits by a temperature
+# near float32's smallest normals overflows them, and the probabilities become NaN.
+GREEDY_TEMPERATURE = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI and vLLM
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE: greedy
     top_p: float = 1.0
     top_k: int = -1
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: only run the prompt (for prompt_logprobs)
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens exist
     ignore_eos: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # end the request on these as on EOS (also with ignore_eos)
     seed: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = None  # per generated token: its logprob and the top `logprobs`
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    logit_bias: dict[int, float] | None = None  # added to the logits of these token ids
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1; got {self.max_tokens!r}")
+        self.logit_bias = {int(t): float(v) for t, v in (self.logit_bias or {}).items()}
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number; got {getattr(self, name)!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0; got {self.max_tokens!r}")
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}]; got {self.min_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1; got {self.top_k}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0; got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1]; got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not PENALTY_RANGE[0] <= getattr(self, name) <= PENALTY_RANGE[1]:
+                raise ValueError(f"{name} must be in [-2, 2]; got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0; got {self.repetition_penalty}")
+        for token, bias in self.logit_bias.items():
+            if token < 0 or not LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]:  # NaN fails too
+                raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100]; got {token}: {bias}")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass
 class TokenLogprobs:
-    """Log-probabilities of one generated token under the model's (untempered) distribution."""
+    """Log-probabilities of one token under the model's raw distribution (before temperature
+    and the logits processors), as OpenAI and vLLM report them."""
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)  # the `logprobs` most likely tokens
@@ -54,6 +88,8 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)  # generated tokens
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     logprobs: list[TokenLogprobs] | None = None
+    # With prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

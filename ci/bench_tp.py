@@ -17,8 +17,16 @@ Three parts, each writing its results as soon as it has them:
   tokens, all prompts in one batch: mean acceptance length of each, and how many completions
   are token-identical (bf16 reductions run in another order across two ranks, so near-ties may
   flip; on CPU in fp32 the tests demand identity). A pair -tp 2 cannot split is reported so.
+* mxfp4: the DeepSeek-shaped MoE converted to the released Quark MXFP4 layout (routed and shared
+  experts and the dense MLP packed, MLA bf16; atom_like.zoo.quark_mxfp4) served with an fp8 KV
+  cache, Kimi-K2.5-MXFP4's setup: decode tokens/s at -tp 1 and -tp 2 and how many greedy
+  completions of the largest batch are token-identical.
 
-    OUT=dir python ci/bench_tp.py [--parts allreduce,speed,zoo] [--models llama8b,deepseek]
+Everything runs in one call on a two-GPU machine (nvidia-h200-x2) within --budget-s seconds
+(default 420, so that ci/gpu_check.sh's call ends well inside the device's 10 minutes): a part
+that would start after the budget is spent is recorded as skipped, in the report, not run.
+
+    OUT=dir python ci/bench_tp.py [--parts allreduce,speed,zoo,mxfp4] [--models llama8b,deepseek]
 results: $OUT/bench_tp.json and $OUT/bench_tp.md (default folder ./bench_out)
 """
 from __future__ import annotations
@@ -40,6 +48,7 @@ for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DI
     os.environ.setdefault(_var, "0" if _var == "NCCL_NVLS_ENABLE" else "1")
 
 TP = 2
+START = time.monotonic()
 ZOO_PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a KV cache is in one sentence.",
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -70,8 +79,17 @@ def model_configs():
 class Results:
     def __init__(self, out_dir: str, meta: dict):
         self.path = os.path.join(out_dir, "bench_tp.json")
-        self.data = dict(meta=meta, allreduce=[], speed=[], zoo=[], params={}, errors=[])
+        self.data = dict(meta=meta, allreduce=[], speed=[], zoo=[], mxfp4=[], params={}, errors=[])
         self.out_dir = out_dir
+        self.budget_s = meta["args"]["budget_s"]
+
+    def over_budget(self, **what) -> bool:
+        """True (and the skip recorded) once --budget-s seconds have passed since the start."""
+        spent = time.monotonic() - START
+        if spent < self.budget_s:
+            return False
+        self.add("errors", dict(**what, error=f"skipped: {spent:.0f} s of the {self.budget_s:.0f} s budget spent"))
+        return True
 
     def add(self, part: str, row: dict) -> None:
         self.data[part].append(row)
@@ -195,9 +213,13 @@ def bench_speed(results: Results, names: list[str], batches: list[int], prompt_l
 
     configs = model_configs()
     for name in names:
+        if results.over_budget(part="speed", model=name):
+            continue
         with tempfile.TemporaryDirectory() as folder:
             path, params = save_random_model(configs[name](), os.path.join(folder, name))
             for tp in (1, TP):
+                if results.over_budget(part="speed", model=name, tp=tp):
+                    continue
                 engine = None
                 try:  # a failure is recorded and the other configurations still run
                     engine = LLMEngine(path, dtype="bfloat16", max_model_len=prompt_len + max_tokens + 16,
@@ -251,6 +273,8 @@ def bench_zoo(results: Results, k: int = 3, max_tokens: int = 128) -> None:
             continue
         runs = {}
         for tp in (1, TP):
+            if results.over_budget(part="zoo", model=f"{target} + {draft}", tp=tp):
+                continue
             try:
                 engine = LLMEngine(str(resolve(target)), dtype="bfloat16", method="eagle3", draft_model=str(resolve(draft)),
                                    num_speculative_tokens=k, max_model_len=4096, max_num_seqs=64,
@@ -273,11 +297,63 @@ def bench_zoo(results: Results, k: int = 3, max_tokens: int = 128) -> None:
         row = dict(target=target, draft=draft, k=k)
         for tp, run in runs.items():
             row[f"tp{tp}"] = {key: v for key, v in run.items() if key != "tokens"}
-        if all("tokens" in run for run in runs.values()):
+        if len(runs) == 2 and all("tokens" in run for run in runs.values()):
             a, b = runs[1]["tokens"], runs[TP]["tokens"]
             row["identical_completions"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
             row["same_tokens_before_first_difference"] = sum(_common_prefix(x, y) for x, y in zip(a, b)) / max(1, sum(map(len, a)))
         results.add("zoo", row)
+
+
+# ----------------------------------------------------------------------------- MXFP4 + fp8 KV
+
+def bench_mxfp4(results: Results, batches: list[int], prompt_len: int, max_tokens: int) -> None:
+    from pathlib import Path
+
+    from bench_models import deepseek_config, prompts
+
+    from atom_like import LLMEngine, SamplingParams
+    from atom_like.zoo.checkpoint import load_tensors
+    from atom_like.zoo.quark_mxfp4 import write
+
+    if results.over_budget(part="mxfp4"):
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        src, _ = save_random_model(deepseek_config(), os.path.join(folder, "bf16"))
+        tensors = {k: v.cuda() for k, v in load_tensors(Path(src)).items()}  # quantized on the GPU: seconds
+        with open(os.path.join(src, "config.json")) as f:
+            config = json.load(f)
+        path = os.path.join(folder, "mxfp4")
+        write(tensors, config, path, style="released")
+        del tensors
+        gc.collect()
+        torch.cuda.empty_cache()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        tokens = {}
+        for tp in (1, TP):
+            if results.over_budget(part="mxfp4", tp=tp):
+                continue
+            engine = None
+            try:
+                engine = LLMEngine(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=prompt_len + max_tokens + 16,
+                                   max_num_seqs=max(batches), gpu_memory_utilization=0.5, tensor_parallel_size=tp)
+                for batch in batches:
+                    batch_prompts = prompts(batch, prompt_len, engine.runner.vocab_size)
+                    decode_tokens_per_s(engine, batch_prompts, max_tokens)  # warm-up
+                    tps = decode_tokens_per_s(engine, batch_prompts, max_tokens)
+                    results.add("mxfp4", dict(tp=tp, batch=batch, tokens_per_s=tps, step_ms=1e3 * batch / tps))
+                big = prompts(max(batches), prompt_len, engine.runner.vocab_size)
+                tokens[tp] = [o.token_ids for o in engine.generate(big, params, use_tqdm=False)]
+            except Exception as exc:  # noqa: BLE001
+                results.add("errors", dict(part="mxfp4", tp=tp, error=f"{type(exc).__name__}: {exc}"))
+            if engine is not None:
+                engine.shutdown()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        if len(tokens) == 2:
+            a, b = tokens[1], tokens[TP]
+            results.add("mxfp4", dict(identical_completions=f"{sum(x == y for x, y in zip(a, b))}/{len(a)}",
+                                      same_tokens_before_first_difference=sum(map(_common_prefix, a, b)) / sum(map(len, a))))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -322,6 +398,17 @@ def markdown(data: dict) -> str:
                      for t in ("tp1", f"tp{TP}")]
             lines.append(f"| {r['target']} | {r['draft']} | {cells[0]} | {cells[1]} | "
                          f"{r.get('identical_completions', '-')} | {r.get('same_tokens_before_first_difference', 0):.1%} |")
+    if data["mxfp4"]:
+        lines += ["", "DeepSeek-shaped MoE in Quark MXFP4 (released layout), fp8 KV cache:", "",
+                  "| tp | batch | tokens/s | step ms | vs tp 1 |", "|---|---|---|---|---|"]
+        base = {r["batch"]: r["tokens_per_s"] for r in data["mxfp4"] if r.get("tp") == 1}
+        for r in data["mxfp4"]:
+            if "tp" in r:
+                ratio = f"{r['tokens_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
+                lines.append(f"| {r['tp']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {ratio} |")
+            else:
+                lines.append(f"\nGreedy completions identical at -tp 1 and -tp 2: {r['identical_completions']} "
+                             f"({r['same_tokens_before_first_difference']:.1%} of tokens before a first difference)")
     lines += [f"\nERROR ({e['part']}{', ' + e['model'] if 'model' in e else ''}{', tp ' + str(e['tp']) if 'tp' in e else ''}): "
               f"{e['error']}" for e in data["errors"]]
     return "\n".join(lines) + "\n"
@@ -329,11 +416,13 @@ def markdown(data: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="allreduce,speed,zoo")
+    parser.add_argument("--parts", default="allreduce,speed,zoo,mxfp4")
     parser.add_argument("--models", default="llama8b,deepseek")
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="no part starts after this many seconds (skips are reported)")
     args = parser.parse_args()
     if torch.cuda.device_count() < TP:
         sys.exit(f"bench_tp needs {TP} GPUs; torch sees {torch.cuda.device_count()}")
@@ -356,6 +445,11 @@ def main() -> None:
         bench_speed(results, names, batches, args.prompt_len, args.max_tokens)
     if "zoo" in parts:
         bench_zoo(results)
+    if "mxfp4" in parts:
+        try:
+            bench_mxfp4(results, batches, args.prompt_len, args.max_tokens)
+        except Exception as exc:  # noqa: BLE001
+            results.add("errors", dict(part="mxfp4", error=f"{type(exc).__name__}: {exc}"))
     results.save()
     print(markdown(results.data))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -42,6 +43,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 import kernels_rocm.fused_moe as fused_moe_mod  # noqa: E402
 import kernels_rocm.mla_decode as mla_mod  # noqa: E402
+import kernels_rocm.mxfp4_linear as mxfp4_linear_mod  # noqa: E402
+import kernels_rocm.mxfp4_moe as mxfp4_moe_mod  # noqa: E402
 import kernels_rocm.paged_attention as paged_mod  # noqa: E402
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache  # noqa: E402
 from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
@@ -75,18 +78,47 @@ def _attention_metadata(num_seqs: int, max_query_len: int, max_context_len: int,
     )
 
 
-def _mha(heads, kv_heads, dim, seqs, q_len, ctx, splits):
+
+def _fp8_dtype(target: str) -> torch.dtype:
+    """The KV type the platform uses: e4m3fnuz on gfx942 (MI300), OCP e4m3fn elsewhere."""
+    return torch.float8_e4m3fnuz if target == "gfx942" else torch.float8_e4m3fn
+
+
+def _mha(heads, kv_heads, dim, seqs, q_len, ctx, splits, kv_dtype=None):
     tokens = seqs * q_len
-    pool = _t(2, seqs * ctx // 16 + 1, 16, kv_heads, dim)
+    pool = _t(2, seqs * ctx // 16 + 1, 16, kv_heads, dim, dtype=kv_dtype or torch.bfloat16)
+    scales = dict(k_scale=_t(1, dtype=torch.float32), v_scale=_t(1, dtype=torch.float32)) if kv_dtype else {}
     paged_mod.paged_attention(_t(tokens, heads, dim), pool[0], pool[1], *_attention_metadata(seqs, q_len, ctx),
-                              dim**-0.5, num_kv_splits=splits)
+                              dim**-0.5, num_kv_splits=splits, **scales)
 
 
-def _mla(heads, seqs, q_len, ctx, splits, block_size=16):
+def _mla(heads, seqs, q_len, ctx, splits, block_size=16, kv_dtype=None):
     tokens = seqs * q_len
     q = _t(tokens, heads, 576)
-    mla_mod.mla_paged_attention(q[..., :512], q[..., 512:], _t(seqs * ctx // block_size + 1, block_size, 576),
-                                *_attention_metadata(seqs, q_len, ctx, block_size), 0.072, num_kv_splits=splits)
+    cache = _t(seqs * ctx // block_size + 1, block_size, 576, dtype=kv_dtype or torch.bfloat16)
+    scale = _t(1, dtype=torch.float32) if kv_dtype else None
+    mla_mod.mla_paged_attention(q[..., :512], q[..., 512:], cache, *_attention_metadata(seqs, q_len, ctx, block_size),
+                                0.072, kv_scale=scale, num_kv_splits=splits)
+
+
+def _mxfp4_linear(m, n, k, quantize, split=None):
+    config = None
+    if split is not None:  # the default tiles with a forced split (meta tensors see 4 compute units)
+        config = dataclasses.replace(mxfp4_linear_mod.default_config(m, n, k, torch.device("meta")), split_k=split)
+    mxfp4_linear_mod.mxfp4_linear(_t(m, k), _t(n, k // 2, dtype=torch.uint8), _t(n, k // 32, dtype=torch.uint8),
+                                  quantize_activations=quantize, config=config)
+
+
+def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None):
+    config = None
+    if split is not None:  # the default tiles with a forced GEMM 1 split
+        config = mxfp4_moe_mod.default_config(tokens, top_k, experts, hidden, inter, torch.device("meta"))
+        config = dataclasses.replace(config, gate_up=dataclasses.replace(config.gate_up, split_k=split))
+    u8 = torch.uint8
+    mxfp4_moe_mod.fused_moe_mxfp4(
+        _t(tokens, hidden), _t(experts, 2 * inter, hidden // 2, dtype=u8), _t(experts, 2 * inter, hidden // 32, dtype=u8),
+        _t(experts, hidden, inter // 2, dtype=u8), _t(experts, hidden, inter // 32, dtype=u8),
+        _t(tokens, top_k, dtype=torch.float32), _t(tokens, top_k, dtype=torch.int32), quantize, config=config)
 
 
 def _moe(experts, top_k, hidden, inter, tokens):
@@ -94,29 +126,45 @@ def _moe(experts, top_k, hidden, inter, tokens):
                             _t(tokens, top_k, dtype=torch.float32), _t(tokens, top_k, dtype=torch.int32))
 
 
-CASES: dict[str, Callable[[], None]] = {
-    "kv write MHA 8x128": lambda: write_kv_cache(_t(64, 8, 128), _t(64, 8, 128), _t(99, 16, 8, 128),
+# case name -> builder(target name); most builders ignore the target
+CASES: dict[str, Callable[[str], None]] = {
+    "kv write MHA 8x128": lambda _: write_kv_cache(_t(64, 8, 128), _t(64, 8, 128), _t(99, 16, 8, 128),
                                                  _t(99, 16, 8, 128), _t(64, dtype=torch.int64)),
-    "kv write MLA 512+64": lambda: write_mla_kv_cache(_t(64, 512), _t(64, 64), _t(99, 16, 576), _t(64, dtype=torch.int64)),
-    "MHA 8/8 D128 decode split 16": lambda: _mha(8, 8, 128, 4, 1, 32768, 16),
-    "MHA 8/8 D128 decode no split": lambda: _mha(8, 8, 128, 64, 1, 8192, 1),
-    "MHA 8/8 D128 verify 4": lambda: _mha(8, 8, 128, 8, 4, 8192, 4),
-    "MHA 8/8 D128 prefill": lambda: _mha(8, 8, 128, 2, 2048, 4096, None),
-    "MHA 9/3 D64 (SmolLM2) decode split 8": lambda: _mha(9, 3, 64, 8, 1, 8192, 8),
-    "MHA 9/3 D64 prefill": lambda: _mha(9, 3, 64, 2, 1024, 2048, None),
-    "MHA 64/64 D128 decode": lambda: _mha(64, 64, 128, 8, 1, 8192, 1),
-    "MLA 8h decode split 16": lambda: _mla(8, 4, 1, 32768, 16),
-    "MLA 8h verify 4 no split": lambda: _mla(8, 64, 4, 8192, 1),
-    "MLA 16h decode block 64": lambda: _mla(16, 8, 1, 8192, 4, block_size=64),
-    "MLA 64h decode split 128": lambda: _mla(64, 1, 1, 32768, 128),
-    "MoE E64 H2048 I1024 T8": lambda: _moe(64, 8, 2048, 1024, 8),
-    "MoE E64 H2048 I1024 T512": lambda: _moe(64, 8, 2048, 1024, 512),
-    "MoE E384 H7168 I256 T128": lambda: _moe(384, 8, 7168, 256, 128),
-    "RMSNorm H7168": lambda: rms_norm(_t(64, 7168), _t(7168), 1e-6),
-    "add+RMSNorm H7168": lambda: fused_add_rms_norm(_t(64, 7168), _t(64, 7168), _t(7168), 1e-6),
+    "kv write MLA 512+64": lambda _: write_mla_kv_cache(_t(64, 512), _t(64, 64), _t(99, 16, 576), _t(64, dtype=torch.int64)),
+    "MHA 8/8 D128 decode split 16": lambda _: _mha(8, 8, 128, 4, 1, 32768, 16),
+    "MHA 8/8 D128 decode no split": lambda _: _mha(8, 8, 128, 64, 1, 8192, 1),
+    "MHA 8/8 D128 verify 4": lambda _: _mha(8, 8, 128, 8, 4, 8192, 4),
+    "MHA 8/8 D128 prefill": lambda _: _mha(8, 8, 128, 2, 2048, 4096, None),
+    "MHA 9/3 D64 (SmolLM2) decode split 8": lambda _: _mha(9, 3, 64, 8, 1, 8192, 8),
+    "MHA 9/3 D64 prefill": lambda _: _mha(9, 3, 64, 2, 1024, 2048, None),
+    "MHA 64/64 D128 decode": lambda _: _mha(64, 64, 128, 8, 1, 8192, 1),
+    "MLA 8h decode split 16": lambda _: _mla(8, 4, 1, 32768, 16),
+    "MLA 8h verify 4 no split": lambda _: _mla(8, 64, 4, 8192, 1),
+    "MLA 16h decode block 64": lambda _: _mla(16, 8, 1, 8192, 4, block_size=64),
+    "MLA 64h decode split 128": lambda _: _mla(64, 1, 1, 32768, 128),
+    "MoE E64 H2048 I1024 T8": lambda _: _moe(64, 8, 2048, 1024, 8),
+    "MoE E64 H2048 I1024 T512": lambda _: _moe(64, 8, 2048, 1024, 512),
+    "MoE E384 H7168 I256 T128": lambda _: _moe(384, 8, 7168, 256, 128),
+    "MXFP4 MoE Kimi TP8 T1 w4a4 split 8": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, True, split=8),
+    "MXFP4 MoE Kimi TP8 T32 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 32, True),
+    "MXFP4 MoE Kimi TP8 T512 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 512, False),
+    "MXFP4 MoE Kimi E384 I2048 T8 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 2048, 8, True),
+    "MXFP4 linear M4 N512 K7168 w4a4 split 8": lambda _: _mxfp4_linear(4, 512, 7168, True, split=8),
+    "MXFP4 linear M64 N7168 K256 w4a16": lambda _: _mxfp4_linear(64, 7168, 256, False),
+    "kv write MHA fp8": lambda t: write_kv_cache(_t(64, 8, 128), _t(64, 8, 128), _t(99, 16, 8, 128, dtype=_fp8_dtype(t)),
+                                                 _t(99, 16, 8, 128, dtype=_fp8_dtype(t)), _t(64, dtype=torch.int64),
+                                                 k_scale=_t(1, dtype=torch.float32), v_scale=_t(1, dtype=torch.float32)),
+    "kv write MLA fp8": lambda t: write_mla_kv_cache(_t(64, 512), _t(64, 64), _t(99, 16, 576, dtype=_fp8_dtype(t)),
+                                                     _t(64, dtype=torch.int64), scale=_t(1, dtype=torch.float32)),
+    "MHA 8/8 D128 fp8 decode split 16": lambda t: _mha(8, 8, 128, 4, 1, 32768, 16, kv_dtype=_fp8_dtype(t)),
+    "MLA 8h fp8 decode split 16": lambda t: _mla(8, 4, 1, 32768, 16, kv_dtype=_fp8_dtype(t)),
+    "MLA 8h fp8 verify 4 no split": lambda t: _mla(8, 64, 4, 8192, 1, kv_dtype=_fp8_dtype(t)),
+    "RMSNorm H7168": lambda _: rms_norm(_t(64, 7168), _t(7168), 1e-6),
+    "add+RMSNorm H7168": lambda _: fused_add_rms_norm(_t(64, 7168), _t(64, 7168), _t(7168), 1e-6),
 }
 QUICK_CASES = ("kv write MHA 8x128", "MHA 8/8 D128 decode split 16", "MLA 8h decode split 16",
-               "MoE E64 H2048 I1024 T8", "add+RMSNorm H7168")
+               "MoE E64 H2048 I1024 T8", "add+RMSNorm H7168", "MXFP4 MoE Kimi TP8 T1 w4a4 split 8",
+               "MXFP4 linear M4 N512 K7168 w4a4 split 8", "kv write MLA fp8", "MLA 8h fp8 decode split 16")
 
 
 @dataclass
@@ -184,7 +232,7 @@ class _CompileInsteadOfLaunch:
     def active(self):
         original = JITFunction.run
         hip = TARGETS[self.target_name].is_hip
-        modules = (paged_mod, mla_mod, fused_moe_mod)
+        modules = (paged_mod, mla_mod, fused_moe_mod, mxfp4_linear_mod, mxfp4_moe_mod)
         saved = [m.IS_HIP for m in modules]
         JITFunction.run = lambda fn, *a, **k: self.run(fn, *a, **k)
         for m in modules:
@@ -203,7 +251,7 @@ def compile_all(targets: list[str], cases: list[str]) -> list[Report]:
         seen: set = set()
         for case in cases:
             with _CompileInsteadOfLaunch(target_name, case, reports, seen).active():
-                CASES[case]()
+                CASES[case](target_name)
     return reports
 
 

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the GPU tests and every benchmark, results under $OUT.
 #
-#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [models] [spec] [gsm8k] [tp]
+#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy] [tp]
 #
 # tp (not in the default list: it needs two GPUs, e.g. nvidia-h200-x2) runs ci/bench_tp.py: -tp 2 vs
 # -tp 1 decode speed (8B Llama shape, DeepSeek-shaped MoE), the step's collectives alone, and the zoo
 # pairs' acceptance and greedy agreement; $BENCH_TP_ARGS passes flags (e.g. "--parts speed").
 #
+# mxfp4_accuracy (not in the default set) builds tiny-kimi-mxfp4 into the zoo cache and measures its
+# accuracy against tiny-kimi, with and without fp8 KV (ci/bench_mxfp4_accuracy.py).
 # gsm8k runs ci/nightly_gsm8k.sh on $GSM8K_ENTRIES (default: the SmolLM2 pair, with and without
 # speculation) against the zoo cache $ATOM_LIKE_CACHE (default /tmp/zoo_work/models, where
 # ci/train_zoo.sh leaves its models on a machine kept warm between calls); reports in $OUT/gsm8k.
+# prefix (not in the default list) runs the same entries with prefix caching off, then on
+# (GSM8K_COMPARE=--no-enable-prefix-caching); reports and the side-by-side table in $OUT/gsm8k_prefix.
 # Writes $OUT/results.md (every table), $OUT/gpu_check.log (all output), $OUT/*.json (raw
 # numbers) and $OUT/summary.txt (exit status of each part). Wheels in .whl/ (a transformers newer
 # than the machine's, say) are installed into /tmp/site first. No step stops the others.
@@ -23,7 +27,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests kernels models spec gsm8k)
+[ ${#parts[@]} -eq 0 ] && parts=(tests kernels mxfp4 models spec gsm8k)
 log="$OUT/gpu_check.log"
 : >"$OUT/summary.txt"
 
@@ -41,11 +45,15 @@ for part in "${parts[@]}"; do
   case $part in
     tests) run gpu_tests python3 -m pytest ${GPU_TESTS:-tests/gpu} -q -rsP -p no:cacheprovider --timeout 900 ;;
     kernels) run bench_kernels python3 ci/bench_kernels.py --out "$OUT" ;;
+    mxfp4) run bench_mxfp4 python3 ci/bench_mxfp4.py --out "$OUT" --profile ;;
     models) run bench_models python3 ci/bench_models.py ;;
     spec) run bench_spec python3 ci/bench_spec.py ;;
     tp) run bench_tp python3 ci/bench_tp.py ${BENCH_TP_ARGS:-} ;;
     gsm8k) run gsm8k env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k" \
              ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
+    prefix) run gsm8k_prefix env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k_prefix" \
+             GSM8K_COMPARE=--no-enable-prefix-caching ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
+    mxfp4_accuracy) run bench_mxfp4_accuracy python3 ci/bench_mxfp4_accuracy.py --out "$OUT" ;;
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
   esac
 done
@@ -53,7 +61,7 @@ done
   echo "# GPU check, $(date -u +%Y-%m-%d), $(python3 -c 'import torch; print(torch.cuda.get_device_name())')"
   echo
   cat "$OUT/summary.txt"
-  for md in "$OUT"/bench_*.md; do [ -f "$md" ] && { echo; cat "$md"; }; done
+  for md in "$OUT"/bench_*.md "$OUT"/gsm8k*/summary.md; do [ -f "$md" ] && { echo; cat "$md"; }; done
 } >"$OUT/results.md"
 rm -f "$OUT"/bench_*.md
 cat "$OUT/results.md"

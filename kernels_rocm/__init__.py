@@ -1,7 +1,8 @@
 """Portable Triton kernels (ROCm and CUDA; CPU through TRITON_INTERPRET=1 for tests).
 
-Imports only torch and triton. Modules: `kv_cache` (paged KV writes, MHA and MLA latent rows),
-`paged_attention` (MHA/GQA), `mla_decode` (absorbed MLA), `fused_moe` (bf16 routed experts),
+Imports only torch and triton. Modules: `kv_cache` (paged KV writes, MHA and MLA latent rows,
+bf16 or fp8), `paged_attention` (MHA/GQA), `mla_decode` (absorbed MLA), `fused_moe` (bf16 routed
+experts), `mxfp4_moe` / `mxfp4_linear` (MXFP4 experts and dense layers, activation QDQ fused),
 `rms_norm` (RMSNorm, optionally fused with the residual add).
 Import the module you need; nothing is imported here so that importing the package stays cheap.
 """

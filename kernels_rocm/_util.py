@@ -41,12 +41,43 @@ def _fix_interpreter_loop_bounds() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _add_interpreter_fnuz() -> None:
+    """Let the interpreter hold float8_e4m3fnuz (gfx942's fp8 KV type) as it holds e4m3fn.
+
+    Triton 3.6's interpreter lists fp8e4b8 among its types but cannot map it to its builder type
+    (ValueError "fail to convert fp8e4b8 to ir type"). Its generic bit converter decodes fnuz
+    correctly (exponent bias 8, no infinities) except 0x80, which fnuz reserves for NaN and the
+    KV writes never produce; the writes round to the e4m3 grid before casting, so the encode
+    direction is exact too.
+    """
+    from triton.runtime import interpreter
+
+    patch_core = interpreter._patch_lang_core
+    if getattr(patch_core, "_maps_fnuz", False):
+        return
+
+    def patched(lang, scope):
+        patch_core(lang, scope)
+        to_ir = lang.dtype.to_ir
+
+        def with_fnuz(self, builder):
+            return builder.get_fp8e4b8_ty() if self.name == "fp8e4b8" else to_ir(self, builder)
+
+        scope.set_attr(lang.dtype, "to_ir", with_fnuz)
+
+    patched._maps_fnuz = True
+    interpreter._patch_lang_core = patched
+
+
 if INTERPRET:
     _fix_interpreter_loop_bounds()
+    _add_interpreter_fnuz()
 
 IS_HIP = torch.version.hip is not None
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# KV-cache element types besides SUPPORTED_DTYPES: OCP e4m3 (CUDA, gfx950) and its fnuz variant (gfx942)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 def dot_precision(dtype: torch.dtype) -> str | None:
@@ -105,6 +136,27 @@ def check_out(out: torch.Tensor | None, like: torch.Tensor, like_name: str, dtyp
     check_tensor("out", out, like.dim(), dtypes)
     if out.shape != like.shape:
         raise ValueError(f"out shape {tuple(out.shape)} must equal {like_name} shape {tuple(like.shape)}")
+
+
+def check_kv_scale(name: str, scale: torch.Tensor | None, cache_name: str, cache: torch.Tensor) -> None:
+    """An fp8 cache needs its scale, a 1-element fp32 device tensor (graphs capture its pointer,
+    so the value can change without recapture); any other cache takes none."""
+    if cache.dtype not in FP8_DTYPES:
+        if scale is not None:
+            raise ValueError(f"{name} was given but {cache_name} has dtype {cache.dtype}: scales are for fp8 caches only")
+        return
+    if scale is None:
+        raise ValueError(f"{cache_name} has dtype {cache.dtype}: {name} (its fp32 dequantization scale) is required")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError(f"{name} must be a 1-element float32 tensor, got "
+                         f"{type(scale).__name__ if not isinstance(scale, torch.Tensor) else (scale.dtype, tuple(scale.shape))}")
+    if scale.device != cache.device:
+        raise ValueError(f"{name} is on {scale.device} but {cache_name} is on {cache.device}")
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an fp8 type (448 for e4m3fn, 240 for e4m3fnuz)."""
+    return float(torch.finfo(dtype).max)
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:

@@ -3,8 +3,9 @@
 Pattern of vLLM's fused_moe_kernel:
 1. `moe_align_block_size` groups the T*K (token, slot) pairs by expert, each expert's run padded
    to a multiple of BLOCK_M with a sentinel id (T*K), and records the expert of every M block.
-   It is built from torch ops on the device (no host sync), so it can sit inside a captured graph;
-   the padded length is a static upper bound and kernels exit early past the real end.
+   It is one Triton kernel (no host sync, one launch instead of ~25 small torch ops), so it can
+   sit inside a captured graph; the padded length is a static upper bound and kernels exit early
+   past the real end.
 2. Grouped GEMM 1: each program gathers BLOCK_M rows of x, multiplies them by the gate and the
    up rows of its expert's w13 (two accumulators) and writes silu(gate) * up: the activation is
    fused into the epilogue instead of a separate silu-and-mul pass over a [T*K, 2I] buffer.
@@ -29,42 +30,82 @@ from kernels_rocm._util import (
 )
 
 
+ALIGN_CHUNK = 1024  # pairs per loop step of the alignment kernel
+ALIGN_BLOCK_ROWS = 32  # M blocks whose expert is found per loop step
+
+
+@triton.jit(do_not_specialize=["numel", "capacity"])
+def _moe_align_kernel(
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr,
+    numel, num_experts, capacity,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    """One program: count pairs per expert, pad each count to BLOCK_M, prefix-sum the padded
+    counts into each expert's start, record the expert of every M block, fill sorted_ids with the
+    sentinel, then place every pair at its expert's cursor (an atomic increment hands out the
+    slots; the order inside an expert's run does not matter, each row is computed alone)."""
+    experts = tl.arange(0, EXPERTS_PAD)
+    counts = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
+    for start in range(0, numel, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=0).to(tl.int32)
+        valid = (offs < numel) & (ids >= 0) & (ids < num_experts)  # bad ids are dropped, never written
+        counts += tl.histogram(ids, EXPERTS_PAD, mask=valid)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    tl.store(cursor_ptr + experts, padded_end - padded, mask=experts < num_experts)
+
+    for first_row in range(0, capacity // BLOCK_M, BLOCK_ROWS):
+        rows = first_row + tl.arange(0, BLOCK_ROWS)
+        # the expert of a block = number of experts whose padded run ends at or before its start;
+        # past the used length that is every expert: -1
+        expert = tl.sum((padded_end[None, :] <= rows[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        expert = tl.where(expert < num_experts, expert, -1)
+        tl.store(expert_ids_ptr + rows, expert, mask=rows < capacity // BLOCK_M)
+    for start in range(0, capacity, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + numel, mask=offs < capacity)
+    tl.debug_barrier()  # cursors and sentinels are written before any pair is placed
+
+    for start in range(0, numel, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=0).to(tl.int32)
+        valid = (offs < numel) & (ids >= 0) & (ids < num_experts)
+        slot = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
+        tl.store(sorted_ids_ptr + slot, offs, mask=valid)
+
+
 def moe_align_block_size(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort (token, slot) pairs by expert, padding each expert's run to a multiple of `block_m`.
+    """Group (token, slot) pairs by expert, padding each expert's run to a multiple of `block_m`.
 
     Returns
     - sorted_ids [P] int32: flat pair ids (t * K + k), sentinel `topk_ids.numel()` in padding;
       P = numel + E * (block_m - 1) (or numel * block_m when smaller), a static upper bound;
     - expert_ids [P // block_m] int32: expert of each M block, -1 past the real end;
     - num_padded [1] int32: used length of sorted_ids (on device; kernels read it).
-    Experts with no pairs take no blocks. Only device ops: graph-capturable, no sync.
+    Experts with no pairs take no blocks; ids outside [0, E) are dropped. One kernel launch, no
+    host sync: graph-capturable.
     """
-    flat = topk_ids.flatten().long()
-    numel = flat.numel()
-    device = flat.device
+    numel = topk_ids.numel()
+    device = topk_ids.device
     capacity = numel + num_experts * (block_m - 1)
     capacity = min(capacity, numel * block_m)  # at most `numel` experts are non-empty
     capacity = triton.cdiv(capacity, block_m) * block_m
 
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded_counts = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded_counts, 0)
-    padded_start = padded_end - padded_counts
-    count_start = torch.cumsum(counts, 0) - counts
-
-    order = torch.argsort(flat, stable=True)  # pair ids grouped by expert, in token order
-    expert_of_sorted = flat[order]
-    rank_in_expert = torch.arange(numel, device=device) - count_start[expert_of_sorted]
-    destination = padded_start[expert_of_sorted] + rank_in_expert
-
-    sorted_ids = torch.full((capacity,), numel, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, destination, order.to(torch.int32))
-    block_starts = torch.arange(0, capacity, block_m, device=device)
-    expert_ids = torch.searchsorted(padded_end, block_starts, right=True)
-    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    num_padded = padded_end[-1:].to(torch.int32)
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    _moe_align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_ids, expert_ids, num_padded, cursor,
+        numel, num_experts, capacity,
+        BLOCK_M=block_m, EXPERTS_PAD=triton.next_power_of_2(num_experts),
+        CHUNK=ALIGN_CHUNK, BLOCK_ROWS=ALIGN_BLOCK_ROWS,
+        num_warps=8,
+    )
     return sorted_ids, expert_ids, num_padded
 
 
@@ -122,7 +163,7 @@ def _moe_gemm_kernel(
     )
 
 
-def _choose_block_m(num_pairs: int, num_experts: int) -> int:
+def choose_block_m(num_pairs: int, num_experts: int) -> int:
     """M tile from the mean pairs per expert: decode wastes little padding with 16, prefill
     reuses each weight tile more with 64."""
     pairs_per_expert = num_pairs / num_experts
@@ -201,7 +242,7 @@ def fused_moe(
         return out
 
     num_pairs = num_tokens * top_k
-    block_m = _choose_block_m(num_pairs, num_experts)
+    block_m = choose_block_m(num_pairs, num_experts)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
     activations = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)
     _launch_gemm(x, w13, activations, topk_weights, sorted_ids, expert_ids, num_padded,

@@ -9,6 +9,10 @@ head counts use several head groups (grid axis 1), each re-reading the latent ro
 Decode, speculative verify (k + 1 rows per sequence, causal among them), prefill over a cached
 prefix and mixed batches use the same causal rule and the same q-block / split-KV scheme as the
 MHA kernel (see `_attention_common`). Cache offsets are int64 (block ids >= 65,536 are safe).
+
+An fp8 cache (one fp32 scale for the whole latent row) is read as fp8, half the bytes of bf16,
+and upcast exactly to fp16 for the dots (q and the probabilities too, fp32 accumulation); the
+scale multiplies the scores and the output instead of every element.
 """
 from __future__ import annotations
 
@@ -26,10 +30,12 @@ from kernels_rocm._attention_common import (
     store_rows,
 )
 from kernels_rocm._util import (
+    FP8_DTYPES,
     IS_HIP,
     SUPPORTED_DTYPES,
     UPCAST_DOT,
     check_dim,
+    check_kv_scale,
     check_out,
     check_same_device,
     check_tensor,
@@ -41,7 +47,7 @@ MAX_HEADS_PER_PROGRAM = 16  # a [16, 512] fp32 accumulator is what fits register
 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _mla_attention_kernel(
-    q_latent_ptr, q_pe_ptr, kv_cache_ptr, out_ptr,
+    q_latent_ptr, q_pe_ptr, kv_cache_ptr, out_ptr, kv_scale_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     query_start_loc_ptr, context_lens_ptr, block_tables_ptr,
     num_seqs, num_heads, qk_scale,
@@ -57,6 +63,7 @@ def _mla_attention_kernel(
     ROPE_DIM: tl.constexpr, ROPE_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    FP8: tl.constexpr,  # the cache holds fp8 rows, dequantization scale at kv_scale_ptr
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     head_group = tl.program_id(1)
@@ -92,6 +99,11 @@ def _mla_attention_kernel(
     if UPCAST:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
+    elif FP8:  # fp16 dots: e4m3 -> fp16 is one exact conversion per two elements, -> bf16 is not
+        q_lat = q_lat.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
+    if FP8:
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
 
     kv_end = context_len - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
     first_tile, last_tile = segment_tile_range(kv_end, segment, TILE_N, NUM_SEGMENTS)
@@ -112,15 +124,16 @@ def _mla_attention_kernel(
         k_pe = tl.load(
             kv_row[:, None] + LATENT_DIM + offs_r[None, :], mask=pos_valid[:, None] & r_valid[None, :], other=0.0
         )
-        if UPCAST:
-            c_kv = c_kv.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
+        c_kv = c_kv.to(q_lat.dtype)
+        k_pe = k_pe.to(q_lat.dtype)
         scores = tl.dot(q_lat, tl.trans(c_kv), input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(pos[None, :] <= last_visible[:, None], scores, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q_lat.dtype), c_kv, input_precision=DOT_PRECISION)
 
+    if FP8:
+        acc = acc * tl.load(kv_scale_ptr)
     store_rows(
         acc, m_i, l_i, row_valid, token, head, segment,
         out_ptr, stride_out_t, stride_out_h,
@@ -129,19 +142,31 @@ def _mla_attention_kernel(
     )
 
 
+def launch_options(fp8: bool) -> tuple[int, int, int]:
+    """(KV tokens per tile, warps, pipeline stages). ROCm: a 32 x 576 bf16 tile per stage
+    overflows MI300's 64 KB LDS. fp8: with 4 warps the upcast operands spill (255 registers on
+    sm_90, VGPRs on gfx950); 8 warps fit (about 210 / 190)."""
+    if IS_HIP:
+        return (16, 8, 1) if fp8 else (16, 4, 1)
+    return (32, 8, 2) if fp8 else (32, 4, 2)
+
+
 def _check_inputs(
-    q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None
+    q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None,
+    kv_scale: torch.Tensor | None,
 ) -> None:
     check_tensor("q_latent", q_latent, 3, SUPPORTED_DTYPES)
     check_tensor("q_pe", q_pe, 3, SUPPORTED_DTYPES)
-    check_tensor("kv_cache", kv_cache, 3, SUPPORTED_DTYPES)
+    check_tensor("kv_cache", kv_cache, 3, SUPPORTED_DTYPES + FP8_DTYPES)
     check_dim("q_pe", q_pe, 0, q_latent.shape[0], "q_latent's tokens")
     check_dim("q_pe", q_pe, 1, q_latent.shape[1], "q_latent's heads")
     check_dim("kv_cache", kv_cache, 2, q_latent.shape[2] + q_pe.shape[2], "q_latent width + q_pe width")
-    if not (q_latent.dtype == q_pe.dtype == kv_cache.dtype):
+    if q_latent.dtype != q_pe.dtype or (kv_cache.dtype not in FP8_DTYPES and q_latent.dtype != kv_cache.dtype):
         raise ValueError(
-            f"q_latent, q_pe and kv_cache dtypes must match, got {q_latent.dtype}, {q_pe.dtype}, {kv_cache.dtype}"
+            f"q_latent, q_pe and kv_cache dtypes must match (or kv_cache be fp8), got "
+            f"{q_latent.dtype}, {q_pe.dtype}, {kv_cache.dtype}"
         )
+    check_kv_scale("kv_scale", kv_scale, "kv_cache", kv_cache)
     check_out(out, q_latent, "q_latent", SUPPORTED_DTYPES)
     check_same_device(q_latent=q_latent, q_pe=q_pe, kv_cache=kv_cache, out=out)
 
@@ -156,6 +181,7 @@ def mla_paged_attention(
     max_query_len: int,
     max_context_len: int,
     scale: float,
+    kv_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:
@@ -163,9 +189,10 @@ def mla_paged_attention(
 
     q_latent [T, N, L] (q_nope already multiplied by W_UK), q_pe [T, N, R] (after RoPE),
     kv_cache [NB, BS, L + R] latent rows (c_kv | k_pe). Metadata as in `paged_attention`;
-    `scale` is the model's softmax scale (1/sqrt(nope + rope) for DeepSeek-V3/Kimi).
+    `scale` is the model's softmax scale (1/sqrt(nope + rope) for DeepSeek-V3/Kimi); an fp8
+    cache needs `kv_scale` (1-element fp32 tensor): an entry reads as entry * kv_scale.
     """
-    _check_inputs(q_latent, q_pe, kv_cache, out)
+    _check_inputs(q_latent, q_pe, kv_cache, out, kv_scale)
     num_tokens, num_heads, latent_dim = q_latent.shape
     rope_dim = q_pe.shape[2]
     block_size = kv_cache.shape[1]
@@ -177,6 +204,7 @@ def mla_paged_attention(
         return out
 
     num_seqs = context_lens.shape[0]
+    fp8 = kv_cache.dtype in FP8_DTYPES
     block_h = min(triton.next_power_of_2(num_heads), MAX_HEADS_PER_PROGRAM)
     block_m = 16
     block_q = block_m // block_h
@@ -189,9 +217,10 @@ def mla_paged_attention(
         num_kv_splits, active_programs, max_query_len, max_context_len, out, latent_pad
     )
 
+    tile_n, num_warps, num_stages = launch_options(fp8)
     grid = (num_tokens // block_q + num_seqs, head_groups, num_kv_splits)
     _mla_attention_kernel[grid](
-        q_latent, q_pe, kv_cache, out,
+        q_latent, q_pe, kv_cache, out, kv_scale if fp8 else q_latent,
         *partials,
         query_start_loc, context_lens, block_tables,
         num_seqs, num_heads, scale * LOG2E,
@@ -204,11 +233,12 @@ def mla_paged_attention(
         LATENT_DIM=latent_dim, LATENT_PAD=latent_pad,
         ROPE_DIM=rope_dim, ROPE_PAD=rope_pad,
         BLOCK_SIZE=block_size,
-        TILE_N=16 if IS_HIP else 32,  # a 32 x 576 bf16 tile per stage overflows MI300's 64 KB LDS
+        TILE_N=tile_n,
         NUM_SEGMENTS=num_kv_splits,
-        UPCAST=UPCAST_DOT, DOT_PRECISION=dot_precision(kv_cache.dtype),
-        num_warps=4,
-        num_stages=1 if IS_HIP else 2,
+        FP8=fp8, UPCAST=UPCAST_DOT,
+        DOT_PRECISION=dot_precision(torch.float16 if fp8 and not UPCAST_DOT else q_latent.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split is not None:
         split.merge_into(out, latent_dim)

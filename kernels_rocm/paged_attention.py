@@ -8,6 +8,12 @@ loop over the block table, fp32 online softmax; split-KV for short query blocks 
 
 Every cache offset is int64: block ids are loaded as int32 and widened before they meet a stride,
 which is what keeps block ids >= 65,536 with a 32 KiB block stride (and pools past 4 GiB) right.
+
+FP8 caches (e4m3fn / e4m3fnuz, one fp32 scale per K and per V cache, see kv_cache) are read as
+fp8 and upcast exactly to fp16 for the dots (q and the probabilities too; fp32 accumulation);
+the scales are applied to the scores (k_scale joins the softmax scale) and to the output
+(v_scale), which is the same math as dequantizing every element, done once per row instead of
+once per cache element.
 """
 from __future__ import annotations
 
@@ -25,10 +31,12 @@ from kernels_rocm._attention_common import (
     store_rows,
 )
 from kernels_rocm._util import (
+    FP8_DTYPES,
     IS_HIP,
     SUPPORTED_DTYPES,
     UPCAST_DOT,
     check_dim,
+    check_kv_scale,
     check_out,
     check_same_device,
     check_tensor,
@@ -38,7 +46,7 @@ from kernels_rocm._util import (
 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     query_start_loc_ptr, context_lens_ptr, block_tables_ptr,
     num_seqs, num_heads, qk_scale,
@@ -54,6 +62,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     TILE_N: tl.constexpr,  # KV tokens per loop iteration
     NUM_SEGMENTS: tl.constexpr,
+    FP8: tl.constexpr,  # caches hold fp8: upcast on load, scales from k_scale_ptr / v_scale_ptr
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
@@ -80,6 +89,10 @@ def _paged_attention_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    elif FP8:  # fp16 dots: e4m3 -> fp16 is one exact conversion per two elements, -> bf16 is not
+        q = q.to(tl.float16)
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     # Tokens this q block needs: up to the last visible position of its last valid row.
     kv_end = context_len - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
@@ -107,14 +120,16 @@ def _paged_attention_kernel(
             mask=pos_valid[:, None] & d_valid[None, :],
             other=0.0,
         )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        if FP8 or UPCAST:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(pos[None, :] <= last_visible[:, None], scores, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
 
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr)
     store_rows(
         acc, m_i, l_i, row_valid, token, head, segment,
         out_ptr, stride_out_t, stride_out_h,
@@ -123,14 +138,20 @@ def _paged_attention_kernel(
     )
 
 
-def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None) -> None:
+def _check_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+) -> None:
     check_tensor("q", q, 3, SUPPORTED_DTYPES)
-    check_tensor("k_cache", k_cache, 4, SUPPORTED_DTYPES)
-    check_tensor("v_cache", v_cache, 4, SUPPORTED_DTYPES)
+    check_tensor("k_cache", k_cache, 4, SUPPORTED_DTYPES + FP8_DTYPES)
+    check_tensor("v_cache", v_cache, 4, SUPPORTED_DTYPES + FP8_DTYPES)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache and v_cache dtypes must match, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or (k_cache.dtype not in FP8_DTYPES and q.dtype != k_cache.dtype):
+        raise ValueError(f"q, k_cache and v_cache dtypes must match (or both caches be fp8), got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check_kv_scale("k_scale", k_scale, "k_cache", k_cache)
+    check_kv_scale("v_scale", v_scale, "v_cache", v_cache)
     num_kv_heads = k_cache.shape[2]
     if q.shape[1] % num_kv_heads != 0:
         raise ValueError(
@@ -152,6 +173,8 @@ def paged_attention(
     max_query_len: int,
     max_context_len: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:
@@ -161,9 +184,10 @@ def paged_attention(
     multiple of Hkv. query_start_loc [B+1] int32, context_lens [B] int32 (KV length after this
     step's writes), block_tables [B, max_blocks] int32; max_query_len / max_context_len are host
     upper bounds that size the grid, so the call is graph-capturable. `num_kv_splits` (power of
-    two) overrides the split-KV heuristic.
+    two) overrides the split-KV heuristic. fp8 caches need k_scale / v_scale (1-element fp32
+    tensors): an entry reads as entry * scale.
     """
-    _check_inputs(q, k_cache, v_cache, out)
+    _check_inputs(q, k_cache, v_cache, out, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_metadata(num_tokens, query_start_loc, context_lens, block_tables, max_query_len, max_context_len, block_size)
@@ -174,6 +198,7 @@ def paged_attention(
         return out
 
     num_seqs = context_lens.shape[0]
+    fp8 = k_cache.dtype in FP8_DTYPES
     group = num_heads // num_kv_heads
     block_m = max(16, triton.next_power_of_2(group))
     if max_query_len * group >= 128:
@@ -188,7 +213,7 @@ def paged_attention(
 
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, out, k_scale if fp8 else q, v_scale if fp8 else q,
         *partials,
         query_start_loc, context_lens, block_tables,
         num_seqs, num_heads, scale * LOG2E,
@@ -201,7 +226,8 @@ def paged_attention(
         HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE_N=32,
         NUM_SEGMENTS=num_kv_splits,
-        UPCAST=UPCAST_DOT, DOT_PRECISION=dot_precision(k_cache.dtype),
+        FP8=fp8, UPCAST=UPCAST_DOT,
+        DOT_PRECISION=dot_precision(torch.float16 if fp8 and not UPCAST_DOT else q.dtype),
         num_warps=8 if block_m >= 64 else 4,
         num_stages=1 if IS_HIP else 2,
     )

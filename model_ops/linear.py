@@ -4,12 +4,15 @@ weight so a step runs one GEMM instead of several; the loader fills it shard by 
 Tensor parallelism (Megatron-style, model_ops.tp): a column-parallel layer holds this rank's
 rows of the output features and leaves its output split (the next op is per head, or a
 row-parallel layer); a row-parallel layer holds this rank's columns of the input features and
-sums the ranks' partial products with one all-reduce. `Linear` itself is replicated. At -tp 1
-every parallel layer is exactly the plain one.
+sums the ranks' partial products with one all-reduce. How a layer is split is its
+`LinearSharding` (None: replicated), kept apart from how its weight is stored, so the packed
+MXFP4 layer that replaces a float one (model_ops.quant.mxfp4_layers) takes the float layer's
+sharding and slices and reduces alike. At -tp 1 every parallel layer is exactly the plain one.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -17,35 +20,75 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_ops import tp
+from model_ops.deferred import weight_device
 from model_ops.tp import TPSlice
 
 
+@dataclass(frozen=True)
+class LinearSharding:
+    """This rank's part of a linear layer. Column-parallel (`along_input` False): rows
+    `ranges[i]` of projection i's `full_sizes[i]` outputs (one projection unless merged); the
+    output stays split. Row-parallel (True): input columns `ranges[0]` of `full_sizes[0]`; the
+    product is a partial sum, all-reduced here unless `reduce` is False (the caller reduces it
+    together with others: a MoE's routed and shared experts share one all-reduce)."""
+    along_input: bool
+    full_sizes: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    reduce: bool = True
+
+    def tp_slice(self, param: str, shard: Hashable | None, pack: int = 1, block: int = 1) -> TPSlice | None:
+        """What this rank loads of the checkpoint tensor filling `param` (or its `shard`, a
+        projection index); `pack` / `block` are the storage format's (TPSlice)."""
+        if self.along_input:
+            return None if param == "bias" else TPSlice(1, self.full_sizes[0], self.ranges[:1], pack, block)
+        if shard is not None:
+            return TPSlice(0, self.full_sizes[int(shard)], (self.ranges[int(shard)],), pack, block)
+        # the (fused) checkpoint tensor whole: this rank's rows of each projection, in order
+        offsets = list(accumulate(self.full_sizes, initial=0))
+        return TPSlice(0, offsets[-1], tuple((o + a, o + b) for o, (a, b) in zip(offsets, self.ranges)), pack, block)
+
+
+def sharded_output(sharding: LinearSharding | None, product: Callable[[torch.Tensor | None], torch.Tensor],
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """A layer's output from `product(bias)`, this rank's GEMM (adding `bias` when given): a
+    row-parallel layer on several ranks sums the ranks' partial products and adds the bias once."""
+    if sharding is None or not sharding.along_input or tp.size() == 1:
+        return product(bias)
+    out = product(None)
+    if sharding.reduce:
+        out = tp.all_reduce(out)
+    if bias is not None and (sharding.reduce or tp.rank() == 0):  # a partial sum carries it once
+        out = out + bias
+    return out
+
+
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    """y = x W^T + b; replicated on every rank unless `sharding` says otherwise (the parallel
+    subclasses below compute it)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 sharding: LinearSharding | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.sharding = sharding
+        # on the meta device while a quantization config may still replace this layer (model_ops.deferred)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=weight_device()), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, device=weight_device()), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return sharded_output(self.sharding, lambda bias: F.linear(x, self.weight, bias), self.bias)
 
-    def tp_granularity(self, param: str, along_input: bool) -> tuple[int, int]:
-        """(logical elements per stored element of `param` along the split dim, logical elements
-        a tensor-parallel split must not cut), for a split along the input features (row-parallel)
-        or the outputs. Plain weights: (1, 1); a block-quantized format packs and blocks along the
-        input features, e.g. (2, 32) for FP4 weights and (32, 32) for their E8M0 scales there."""
-        return 1, 1
-
-    def _slice(self, param: str, dim: int, full: int, ranges: tuple[tuple[int, int], ...]) -> TPSlice:
-        return TPSlice(dim, full, ranges, *self.tp_granularity(param, dim == 1))
+    # TPSharded (model_ops.tp)
+    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice | None:
+        return None if self.sharding is None else self.sharding.tp_slice(param, shard)
 
 
 class MergedLinear(Linear):
     """Output rows are the concatenation of `output_sizes` projections (shard 0 first)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias)
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 sharding: LinearSharding | None = None):
+        super().__init__(in_features, sum(output_sizes), bias, sharding)
         self.output_sizes = list(output_sizes)
 
     def shard_rows(self, shard: int) -> slice:
@@ -68,37 +111,18 @@ class ColumnParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, what: str = "output features"):
         rows = tp.rank_range(out_features, what)
-        super().__init__(in_features, rows[1] - rows[0], bias)
-        self.full_out, self.rows = out_features, rows
-
-    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice:
-        return self._slice(param, 0, self.full_out, (self.rows,))
+        super().__init__(in_features, rows[1] - rows[0], bias, LinearSharding(False, (out_features,), (rows,)))
 
 
 class RowParallelLinear(Linear):
     """This rank's `in_features / N` input columns (its input is the split output of a
     column-parallel layer or of per-head attention); one all-reduce sums the ranks' products and
-    the bias is added once. `reduce=False` leaves the partial sum for the caller to reduce
-    together with others (a MoE's routed and shared experts: one all-reduce for both)."""
+    the bias is added once. `reduce=False` leaves the partial sum for the caller to reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True,
                  what: str = "input features"):
         cols = tp.rank_range(in_features, what)
-        super().__init__(cols[1] - cols[0], out_features, bias)
-        self.full_in, self.cols, self.reduce = in_features, cols, reduce
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if tp.size() == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = F.linear(x, self.weight)
-        if self.reduce:
-            out = tp.all_reduce(out)
-        if self.bias is not None and (self.reduce or tp.rank() == 0):  # a partial sum carries it once
-            out = out + self.bias
-        return out
-
-    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice | None:
-        return None if param == "bias" else self._slice(param, 1, self.full_in, (self.cols,))
+        super().__init__(cols[1] - cols[0], out_features, bias, LinearSharding(True, (in_features,), (cols,), reduce))
 
 
 class MergedColumnParallelLinear(MergedLinear):
@@ -106,24 +130,12 @@ class MergedColumnParallelLinear(MergedLinear):
     a rank's weight is [its gate rows; its up rows] and `split` still separates them."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, what: str = "output features"):
-        super().__init__(in_features, [tp.divide(s, what) for s in output_sizes], bias)
-        self.full_sizes, self.what = list(output_sizes), what
-
-    def shard_range(self, shard: int) -> tuple[int, int]:
-        """This rank's rows of projection `shard`, in that projection's own checkpoint tensor."""
-        return tp.rank_range(self.full_sizes[shard], self.what)
-
-    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice:
-        if shard is not None:
-            return self._slice(param, 0, self.full_sizes[int(shard)], (self.shard_range(int(shard)),))
-        # the fused checkpoint tensor whole: this rank's rows of each projection, in order
-        offsets = [0, *accumulate(self.full_sizes)]
-        ranges = tuple((offsets[i] + a, offsets[i] + b)
-                       for i, (a, b) in enumerate(self.shard_range(i) for i in range(len(self.full_sizes))))
-        return self._slice(param, 0, offsets[-1], ranges)
+        ranges = tuple(tp.rank_range(s, what) for s in output_sizes)
+        super().__init__(in_features, [b - a for a, b in ranges], bias,
+                         LinearSharding(False, tuple(output_sizes), ranges))
 
 
-class QKVParallelLinear(MergedColumnParallelLinear):
+class QKVParallelLinear(MergedLinear):
     """q, k, v by heads: rank r holds query heads [r H/N, (r+1) H/N) and the KV heads they read.
     With more ranks than KV heads (N > num_kv_heads, N a multiple of it) each rank holds the one
     KV head of its query heads, replicated on the N / num_kv_heads ranks that share it."""
@@ -135,14 +147,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             raise ValueError(f"num_key_value_heads {num_kv_heads} and --tensor-parallel-size {n}: one must divide "
                              f"the other (KV heads are split across ranks, or replicated when there are fewer)")
         kv_heads = max(1, num_kv_heads // n)
-        MergedLinear.__init__(self, in_features, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias)
+        first_kv = tp.rank() * num_kv_heads // n * head_dim
+        kv = (first_kv, first_kv + kv_heads * head_dim)
+        full = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        super().__init__(in_features, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias,
+                         LinearSharding(False, full, (tp.rank_range(full[0], "num_attention_heads"), kv, kv)))
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.first_kv_head = tp.rank() * num_kv_heads // n
-        self.full_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        self.what = "attention heads"
-
-    def shard_range(self, shard: int) -> tuple[int, int]:
-        if shard == 0:
-            return tp.rank_range(self.full_sizes[0], "num_attention_heads")
-        start = self.first_kv_head * self.head_dim
-        return start, start + self.num_kv_heads * self.head_dim

@@ -10,7 +10,9 @@ can be captured in a graph. Weights always come from the unbiased scores, are re
 
 Routed experts are stored stacked, w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I],
 and run through one function with the signature of kernels_rocm's Triton fused MoE;
-`select_experts_impl` is the one switch between it and the reference loop here.
+`select_experts_impl` is the one switch between it and the reference loop here. A Quark MXFP4
+checkpoint swaps FusedExperts for model_ops.quant.mxfp4_layers.MXFP4Experts (same call, packed
+weights) before any float weight is allocated (model_ops.deferred).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from transformers import PretrainedConfig
 
 from model_ops import tp
 from model_ops.activation import silu_and_mul
+from model_ops.deferred import weight_device
 from model_ops.tp import TPSlice
 
 SCORING_FUNCS = ("sigmoid", "softmax")
@@ -152,39 +155,58 @@ def select_experts_impl(device: torch.device) -> ExpertsFn:
     return fused_experts
 
 
-class FusedExperts(nn.Module):
-    """`mlp.experts`: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I].
+@dataclass(frozen=True)
+class ExpertsSharding:
+    """Every rank holds every routed expert's rows `rows` of the `full` intermediate dim (gate
+    and up rows of w13, columns of w2), so routing needs no communication and a rank's expert
+    output is a partial sum the MoE block all-reduces. Shared by the float and the packed MXFP4
+    experts, whose w13_* / w2_* companions (block scales) are cut like w13 / w2."""
+    full: int
+    rows: tuple[int, int]
 
-    Under tensor parallelism every rank holds every expert's slice [r I/N, (r+1) I/N) of the
-    intermediate dim (w13: its gate rows then its up rows), so routing needs no communication and
-    `forward` returns this rank's partial sum: the MoE block all-reduces it (with the shared
-    experts' partial sum, in one collective)."""
+    @classmethod
+    def split(cls, intermediate_size: int) -> "ExpertsSharding":
+        return cls(intermediate_size, tp.rank_range(intermediate_size, "moe_intermediate_size"))
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.full_intermediate = intermediate_size
-        self.rows = tp.rank_range(intermediate_size, "moe_intermediate_size")
-        self.num_experts, self.intermediate_size = num_experts, self.rows[1] - self.rows[0]
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size), requires_grad=False)
-        self.impl = select_experts_impl(self.w13.device)
+    @property
+    def size(self) -> int:
+        return self.rows[1] - self.rows[0]
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.impl(x, self.w13, self.w2, topk_weights, topk_ids)
-
-    def tp_granularity(self, param: str, along_input: bool) -> tuple[int, int]:
-        """As Linear.tp_granularity (w2 splits along its input features, w13 along its outputs)."""
-        return 1, 1
-
-    # TPSharded: per-expert tensors are [I, H] (gate, up) and [H, I] (down); stacked ones [E, 2I, H] / [E, H, I].
-    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice:
-        # (w13 and w2 here; a quantized subclass's w13_* / w2_* companions, e.g. block scales, cut alike)
-        full, (a, b), down = self.full_intermediate, self.rows, param.startswith("w2")
+    def tp_slice(self, param: str, shard: Hashable | None, pack: int = 1, block: int = 1) -> TPSlice:
+        """Per-expert checkpoint tensors are [I, H] (gate, up) and [H, I] (down); stacked ones
+        [E, 2I, H] / [E, H, I] (shard None). `pack` / `block` are the storage format's along the
+        intermediate dim (w2's input; w13 splits along its outputs and passes 1)."""
+        full, (a, b), down = self.full, self.rows, param.startswith("w2")
         if shard is None:
             dim, ranges, extent = (2, ((a, b),), full) if down else (1, ((a, b), (full + a, full + b)), 2 * full)
         else:
             dim, ranges, extent = (1 if down else 0), ((a, b),), full
-        return TPSlice(dim, extent, ranges, *self.tp_granularity(param, down))
+        return TPSlice(dim, extent, ranges, pack, block)
+
+
+class FusedExperts(nn.Module):
+    """`mlp.experts`: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I], I being this
+    rank's part of the intermediate dim (ExpertsSharding). Under tensor parallelism `forward`
+    returns this rank's partial sum: the MoE block all-reduces it (with the shared experts'
+    partial sum, in one collective)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.sharding = ExpertsSharding.split(intermediate_size)
+        self.num_experts, self.intermediate_size = num_experts, self.sharding.size
+        # on the meta device while a quantization config may still replace this layer (model_ops.deferred)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size,
+                                            device=weight_device()), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size, device=weight_device()),
+                               requires_grad=False)
+        self.impl = select_experts_impl(torch.get_default_device())
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.impl(x, self.w13, self.w2, topk_weights, topk_ids)
+
+    # TPSharded (model_ops.tp)
+    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice:
+        return self.sharding.tp_slice(param, shard)
 
     # ShardedParameters (atom_like.loader.weights): one shard per expert and projection, "3.up_proj".
     def weight_shards(self, param: str) -> list[str]:
@@ -199,17 +221,19 @@ class FusedExperts(nn.Module):
         return self.w13.data[int(expert), rows]
 
 
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def expert_weight_rule(name: str) -> tuple[str, str | None] | None:
-    """Checkpoint expert names -> (FusedExperts parameter, shard). Two layouts: per expert
-    (`experts.{e}.{gate,up,down}_proj.weight`: DeepSeek/Kimi releases, and what transformers 5.23's
-    save_pretrained writes) and stacked 3-D (`experts.gate_up_proj` [E, 2I, H] /
-    `experts.down_proj` [E, H, I]: transformers' in-memory layout, loaded whole)."""
+    """Checkpoint expert names -> (FusedExperts / MXFP4Experts parameter, shard). Two layouts: per
+    expert (`experts.{e}.{gate,up,down}_proj.weight`: DeepSeek/Kimi releases, and what transformers
+    5.23's save_pretrained writes; Quark MXFP4 adds `.weight_scale` -> w13_scale / w2_scale) and
+    stacked 3-D (`experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]: transformers'
+    in-memory layout, loaded whole)."""
     if m := _PER_EXPERT.match(name):
-        return f"{m[1]}.{'w2' if m[3] == 'down_proj' else 'w13'}", f"{m[2]}.{m[3]}"
+        suffix = "_scale" if m[4] == "weight_scale" else ""
+        return f"{m[1]}.{'w2' if m[3] == 'down_proj' else 'w13'}{suffix}", f"{m[2]}.{m[3]}"
     if m := _STACKED.match(name):
         return f"{m[1]}.{'w13' if m[2] == 'gate_up_proj' else 'w2'}", None
     return None

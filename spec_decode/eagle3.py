@@ -2,7 +2,7 @@
 families) and everything around its one decoder layer (fc, EAGLE3.1 fc_norm, final norm,
 lm_head over the draft vocabulary, d2t).
 
-One draft step (reference/eagle3_semantics.md §1.2, §2.3):
+One draft step (docs/eagle3_semantics.md, "One draft step"):
     g = fc(concat(fc_norm_i(aux_i)))                 first pass only: target aux hidden states
     out = layer(embed(token), g)                     residual = g, input = [norm(embed), norm(g)]
     logits = lm_head(norm(out))
@@ -76,7 +76,8 @@ class Eagle3Draft(nn.Module, ABC):
     # Fields config.json must state itself (the loader refuses a checkpoint without them): a
     # config class fills gaps with defaults that describe another model (DeepseekV3Config's are
     # DeepSeek-V3 671B's MLA dims).
-    stated_config_fields: ClassVar[tuple[str, ...]] = ()
+    stated_config_fields: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "intermediate_size",
+                                                       "num_attention_heads")
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Draft proposal: the EAGLE3 loop (seed 004; reference/eagle3_semantics.md §4.1-4.2).
+"""Draft proposal: the EAGLE3 loop (ROCm/ATOM#631, vLLM's EagleProposer; docs/eagle3_semantics.md, "The loop").
 
 After every target step that verified or prefilled tokens:
   1. First pass over ALL rows of the target step (prefill chunks, verify rows, mixed): row t
@@ -16,7 +16,7 @@ All inputs are device tensors, so the loop can be captured as a graph.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,10 +94,14 @@ class Eagle3Proposer(Proposer):
     capturable = True
 
     def __init__(self, draft: Eagle3Draft, aux: AuxHiddenStates, num_spec_tokens: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, attention_backend: str = "auto"):
+                 dtype: torch.dtype, device: torch.device, attention_backend: str = "auto",
+                 kv_cache_dtype: torch.dtype | None = None, kv_scales: Sequence[Sequence[float]] | None = None):
+        """`kv_cache_dtype` (default `dtype`) and, for fp8, `kv_scales`: the draft KV cache's
+        storage (scales under the `eagle3_kv_scale` key)."""
         self.draft, self.aux, self.num_spec_tokens, self.block_size = draft, aux, num_spec_tokens, block_size
-        self.builder = PagedKVCacheBuilder(draft.attention_layers(), block_size, dtype, device, role="draft",
-                                           prefix="eagle3_", backend=attention_backend)
+        self.builder = PagedKVCacheBuilder(draft.attention_layers(), block_size, kv_cache_dtype or dtype, device,
+                                           role="draft", prefix="eagle3_", backend=attention_backend,
+                                           kv_scales=kv_scales)
 
     def kv_builders(self) -> list[KVCacheBuilder]:
         return [self.builder]

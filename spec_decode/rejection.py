@@ -1,4 +1,4 @@
-"""Verification of draft tokens against the target (reference/eagle3_semantics.md §4.4).
+"""Verification of draft tokens against the target (docs/eagle3_semantics.md, "Verification").
 
 Each sequence with n drafts brings n + 1 consecutive logits rows: row j scores the token after
 draft j (row 0: after the last verified token). Greedy rows accept a draft while it equals the
@@ -6,7 +6,10 @@ target's argmax, then emit the argmax. Sampling rows use rejection sampling as v
 draft x with probability min(1, p(x) / q(x)); on the first rejection emit a token from
 normalise(max(p - q, 0)); if all n pass, emit a bonus token from the last row's p. p is the
 request's processed distribution (temperature, top-k, top-p), so the emitted tokens are
-distributed exactly as plain sampling from the target would be. Our drafter proposes greedily,
+distributed exactly as plain sampling from the target would be. Logits processors (logit_bias,
+min_tokens, penalties) are applied first, to every row with that row's own token history (see
+model_ops/logits_processors.py), so p is the processed distribution at each position and greedy
+rows compare drafts with the processed argmax: still exact. Our drafter proposes greedily,
 so q is one-hot (draft_probs=None); general q is supported for drafters that sample.
 A greedy row is the one-hot p of its argmax, which makes the same arithmetic exact there too.
 """
@@ -17,6 +20,7 @@ from itertools import accumulate
 
 import torch
 
+from model_ops.logits_processors import LogitsProcessors
 from model_ops.sampling import SamplingTensors, processed_probs, sample_from, uniform_noise
 
 
@@ -27,9 +31,11 @@ class Verified:
 
 
 def verify(logits: torch.Tensor, drafts: list[list[int]], st: SamplingTensors, shared: torch.Generator,
-           draft_probs: torch.Tensor | None = None, forced_acceptance: int | None = None) -> Verified:
+           draft_probs: torch.Tensor | None = None, forced_acceptance: int | None = None,
+           processors: LogitsProcessors | None = None) -> Verified:
     """`logits` [R, V] holds len(drafts[b]) + 1 rows per sequence b, in order; `st` has one
-    entry per row (a sequence's settings and generator repeated over its rows); `draft_probs`,
+    entry per row (a sequence's settings and generator repeated over its rows); `processors`,
+    when given, are built for these rows (each with its own history); `draft_probs`,
     when given, has one row per draft token. `forced_acceptance` m (benchmarks only, like ATOM's
     --spec-decode-acceptance-length) accepts the first m drafts whatever they are and emits the
     target's argmax after them: a speed curve at exact acceptance lengths, not a lossless output."""
@@ -38,6 +44,8 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], st: SamplingTensors, s
         raise ValueError(f"logits has {logits.shape[0]} rows for {len(drafts)} sequences needing {sum(sizes)}")
     if forced_acceptance is not None:
         return _verify_forced(logits.argmax(dim=-1).tolist(), drafts, forced_acceptance)
+    if processors is not None:
+        logits = processors(logits)
     if bool(st.greedy.all()) and draft_probs is None:
         return _verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
 

@@ -1,8 +1,9 @@
-"""Speculation statistics, with vLLM's definitions (reference/eagle3_semantics.md §5).
+"""Speculation statistics, with vLLM's definitions (docs/eagle3_semantics.md, "Metrics").
 
 Counted per verification: a sequence that verified `drafted` draft tokens and accepted the
 first `accepted` of them. Steps that verified nothing (prefill-only steps, sequences without
-drafts) are never observed, so they cannot inflate the numbers (seed 004).
+drafts) are never observed, so they cannot inflate the numbers (vLLM's gating, which
+ROCm/ATOM#631 adopted after prefill-only steps had inflated ATOM's acceptance).
   acceptance rate          = accepted tokens / drafted tokens
   mean acceptance length   = 1 + accepted tokens / drafts   (the bonus/correction token included)
   per-position acceptance  = P(at least i+1 drafts accepted), the cumulative rate at position i

@@ -38,6 +38,26 @@ def _save_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _engine_invariants():
+    """Every LLMEngine a test builds asserts the scheduler and KV-pool invariants at each step
+    (engine_checks): a leak, an over-admission or a block owned twice fails at the step it
+    happens instead of as a livelock or a wrong token later."""
+    from engine_checks import install_checks
+
+    from atom_like.engine.llm_engine import LLMEngine
+
+    init = LLMEngine.__init__
+
+    def checked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        install_checks(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LLMEngine, "__init__", checked_init)
+        yield
+
+
 @pytest.fixture(scope="session")
 def make_llama(tmp_path_factory):
     """Factory: make_llama(**config overrides, tokenizer=False) -> checkpoint folder (cached)."""

@@ -32,7 +32,7 @@ class ServerProcess(LaunchedServer):
 
     def metric(self, name: str, labels: str = "") -> float:
         """One sample of /metrics, e.g. metric("atom_like:kv_cache_free_blocks")."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.base_url}/metrics", headers=self.headers, timeout=10).text
         for line in text.splitlines():
             if line.startswith(f"{name}{labels} "):
                 return float(line.rsplit(" ", 1)[1])

@@ -85,15 +85,54 @@ def test_resolve_conventions_and_defaults(caplog):
     ([2, 30, 62], 61, r"outside \[0, 61\]"),
     ([1, 30, 61], 61, r"\[2, 31, 62\], outside"),
     ([-1, 3], 61, "outside"),
-    ([5, 3, 9], 61, "not strictly ascending"),
-    ([2, 2, 9], 61, "not strictly ascending"),
+    ([5, 3, 9], 61, "not in ascending order"),
     ([], 61, "is empty"),
-    (None, 4, "explicit ids"),
+    (None, 4, r"\[2, 2, 1\], which are not in ascending order.*explicit ids"),
 ])
 def test_bad_aux_ids_name_the_field(ids, layers, match):
     with pytest.raises(ValueError, match=match) as err:
         resolve_aux_layer_ids(ids, layers)
     assert "eagle_aux_hidden_state_layer_ids" in str(err.value) or ids is None
+
+
+def test_shallow_targets_repeat_default_ids(caplog):
+    """As vLLM, SGLang and ATOM: (2, N//2, N-3) is the default at any depth >= 5, repeats included,
+    with one log line; explicit repeated ids are accepted too."""
+    with caplog.at_level(logging.INFO, logger="spec_decode.aux_layers"):
+        assert resolve_aux_layer_ids(None, 6) == [2, 3, 3]
+    assert [r.getMessage() for r in caplog.records if "repeats a layer" in r.getMessage()] == [
+        "default (2, N//2, N-3) for num_hidden_layers=6 gives capture ids [2, 3, 3]: a target this shallow "
+        "repeats a layer, captured once per id (vLLM, SGLang and ATOM use the same defaults)"]
+    assert resolve_aux_layer_ids(None, 5) == [2, 2, 2]
+    assert resolve_aux_layer_ids([2, 3, 3], 6) == [2, 3, 3]
+
+
+def test_repeated_id_is_captured_in_each_of_its_columns(make_llama):
+    """A 6-layer target with default ids: the buffer holds transformers' hidden_states[2, 3, 3]."""
+    path = make_llama(num_hidden_layers=6)
+    engine = LLMEngine(path, max_model_len=64)
+    got = capture(engine, None)
+    assert engine.runner.model.eagle3_aux_layer_ids == [2, 3, 3]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, aux in zip(PROMPTS, got):
+        with torch.no_grad():
+            states = hf(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        ref = torch.cat([states[i][0] for i in (2, 3, 3)], dim=-1)
+        torch.testing.assert_close(aux, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+def test_draft_without_ids_runs_on_a_shallow_target(make_llama, make_eagle3_llama):
+    """The user's case: a draft that states no aux ids (fc reads 3 states) on a 6-layer target is
+    served, losslessly, where the default ids repeat layer 3."""
+    from atom_like import SamplingParams
+
+    target = make_llama(num_hidden_layers=6)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = [o.token_ids for o in LLMEngine(target, max_model_len=128).generate(PROMPTS, greedy, use_tqdm=False)]
+    engine = LLMEngine(target, max_model_len=128, method="eagle3", draft_model=make_eagle3_llama(target),
+                       num_speculative_tokens=2)
+    assert engine.runner.model.eagle3_aux_layer_ids == [2, 3, 3]
+    assert [o.token_ids for o in engine.generate(PROMPTS, greedy, use_tqdm=False)] == plain
 
 
 def test_buffer_columns_follow_ascending_ids():

@@ -21,6 +21,7 @@ def engine(llama_path):
     ([], OK, "prompt is empty"),
     (list(range(64)), OK, "max_model_len"),
     ([1, 2, 999], OK, r"token ids must be integers in \[0, 128\)"),
+    ([1, 2, 128], OK, r"token ids must be integers in \[0, 128\)"),  # the vocab size itself
     ("some text", OK, "no tokenizer"),
 ])
 def test_bad_prompt(engine, prompt, params, match):
@@ -30,8 +31,16 @@ def test_bad_prompt(engine, prompt, params, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),  # 0 is allowed: the prompt's forward alone (prompt_logprobs)
     (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(seed=2**64), "seed"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logit_bias={5: 101.0}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=0), "top_k"),
@@ -39,6 +48,15 @@ def test_bad_prompt(engine, prompt, params, match):
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("ids", [[1, 128], [-1, 5], [3, 2.0]])
+def test_bad_prompt_ids_are_refused(engine, ids):
+    """prompt_ids (token ids the caller already has, e.g. a rendered chat) skip tokenization, not
+    validation: an id outside the vocabulary would otherwise index past the embedding."""
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 128\)"):
+        engine.add_request(None, OK, prompt_ids=ids)
+    assert not engine.has_unfinished_requests()
 
 
 def test_bad_prompt_in_generate_adds_nothing(engine):

@@ -27,7 +27,8 @@ def test_tp_short_flag_and_limit():
 
 @pytest.mark.parametrize("argv,match", [
     (["--dtype", "int8"], "--dtype"), (["--device", "tpu"], "--device"), (["--block-size", "12"], "power of two"),
-    (["--kv-cache-dtype", "fp8"], "kv-cache-dtype"), (["--gpu-memory-utilization", "1.5"], "gpu-memory-utilization"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "kv-cache-dtype"), (["--mxfp4-activations", "bf16"], "mxfp4-activations"),
+    (["--gpu-memory-utilization", "1.5"], "gpu-memory-utilization"),
 ])
 def test_bad_flags_are_named(argv, match):
     with pytest.raises(ValueError, match=match):

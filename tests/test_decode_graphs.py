@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_checks import install_checks, run_checked
 
 from atom_like import LLMEngine, SamplingParams
 from atom_like.engine.cuda_graph import DecodeGraphs
@@ -61,3 +62,21 @@ def test_padded_rows_touch_only_the_scratch_block(make_llama, make_eagle3_llama)
     scratch = engine.runner.num_blocks
     assert (pools["eagle3_kv_cache"][:, :, scratch] != sentinel).any()  # the padded row's draft chain wrote here
     assert (pools["kv_cache"][:, :, scratch] == sentinel).all()  # the target writes nothing for padded rows
+
+
+@pytest.mark.timeout(600)
+def test_a_batch_shrinking_within_its_bucket_writes_only_owned_blocks(make_llama, make_eagle3_llama):
+    """Four sequences decode in bucket 4, then one finishes and three run in bucket 4: the freed
+    row must point at the scratch block again, not at the blocks its sequence gave back (the draft
+    chain writes through the padded rows' block tables). Every step, the free blocks of both pools
+    must stay untouched (NaN sentinel), and the tokens equal the eager engine's."""
+    target = make_llama(num_hidden_layers=8, seed=1)
+    kwargs = dict(max_model_len=96, method="eagle3", draft_model=make_eagle3_llama(target), num_speculative_tokens=3)
+    prompts = PROMPTS + [PROMPTS[0][:2]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 12, 12, 4)]
+    eager = LLMEngine(target, enforce_eager=True, **kwargs)
+    expected = [o.token_ids for o in run_checked(eager, prompts, params)]
+    engine = LLMEngine(target, **kwargs)
+    install_checks(engine, sentinel=True)
+    assert [o.token_ids for o in run_checked(engine, prompts, params)] == expected
+    assert engine.spec_stats.accepted_histogram == eager.spec_stats.accepted_histogram

@@ -99,6 +99,8 @@ def test_end_to_end_on_20_problems(make_llama, tmp_path, capsys):
         assert sample["extracted"]["flexible-extract"] == gsm8k.flexible_extract(sample["completion"])
     assert report["speculation"]["num_draft_tokens"] == 0 and "acceptance_rate" in report["speculation"]
     assert report["throughput"]["output_tokens"] > 0 and report["throughput"]["wall_time_s"] > 0
+    assert report["prefix_cache"]["hits"] > 0  # every prompt starts with the same exemplar
+    assert report["ttft_ms"]["p99"] >= report["ttft_ms"]["p50"] > 0 and report["ttft_ms"]["mean"] > 0
     assert "FAIL" in capsys.readouterr().out
     assert gsm8k.main(["--summarize", str(report_path)]) == gsm8k.EXIT_PASSED
     assert report_path.with_suffix(".server.log").read_text()
@@ -147,3 +149,48 @@ def test_agreement_between_two_reports():
     assert gsm8k.agreement_line(on, off).endswith("vs off: same completion 1/3, same extracted answers 2/3")
     assert "not comparable" in gsm8k.agreement_line(report("x", ["1", "2", "3"], ("q1", "q2", "other")), off)
     assert "not comparable" in gsm8k.agreement_line(report("y", ["1", "2"]), off)
+
+
+def _report(name: str, completions: list[str], **fields) -> dict:
+    samples = [{"question": f"q{i}", "completion": c, "extracted": {m: c for m in gsm8k.METRICS}}
+               for i, c in enumerate(completions)]
+    return {"entry": {"name": name}, "samples": samples, "num_problems": len(samples),
+            "accuracy": {m: 0.5 for m in gsm8k.METRICS}, "speculation": SpecSnapshot().as_dict(),
+            "throughput": {"output_tokens_per_s": 10.0, "wall_time_s": 2.0}, "passed": True, "failures": [], **fields}
+
+
+def test_server_args_make_a_variant_run(monkeypatch, tmp_path, capsys):
+    catalog = _write_catalog(tmp_path / "catalog.json", [_tiny_entry("tiny", "unused")])
+    seen = []
+
+    def fake_run(entry, base_url, log_path, startup_timeout):
+        seen.append(list(entry.server_args))
+        return _report(entry.name, ["1"])
+
+    monkeypatch.setattr(gsm8k, "run_entry", fake_run)
+    path = tmp_path / "off.json"
+    assert gsm8k.main(["--catalog", str(catalog), "--entry", "tiny", "--output", str(path),
+                       "--server-args=--no-enable-prefix-caching --seed 3"]) == gsm8k.EXIT_PASSED
+    assert seen == [["--max-model-len", "512", "--no-enable-prefix-caching", "--seed", "3"]]
+    assert json.loads(path.read_text())["run"] == "tiny --no-enable-prefix-caching --seed 3"
+    assert capsys.readouterr().out.startswith("tiny --no-enable-prefix-caching --seed 3 n=1")
+    with pytest.raises(SystemExit):  # a running server's flags are not ours to change
+        gsm8k.main(["--catalog", str(catalog), "--entry", "tiny", "--base-url", "http://x", "--server-args=--y"])
+
+
+def test_summary_pairs_runs_of_an_entry_and_tabulates_them(tmp_path, capsys):
+    cache = {"queries": 400.0, "hits": 300.0, "hit_rate": 0.75}
+    ttft = {"mean": 12.5, "p50": 10.0, "p99": 40.0}
+    reports = [_report("a", ["1", "2"], run="a --no-enable-prefix-caching"), _report("b", ["1", "3"]),
+               _report("a", ["1", "3"], run="a", prefix_cache=cache, ttft_ms=ttft)]
+    paths = []
+    for i, report in enumerate(reports):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(report))
+    assert gsm8k.main(["--summarize", *map(str, paths)]) == gsm8k.EXIT_PASSED
+    out = capsys.readouterr().out.splitlines()
+    assert "prefix-cache hits 75.0%" in out[2]
+    assert out[3].startswith("b ") and out[3].endswith("vs a --no-enable-prefix-caching: same completion 1/2, same extracted answers 1/2")
+    assert out[4].startswith("a ") and out[4].endswith("vs a --no-enable-prefix-caching: same completion 1/2, same extracted answers 1/2")
+    assert out[7] == "| a --no-enable-prefix-caching | 0.5000 | 0.5000 | - | - | - | - | 10.0 | 2.0 |"
+    assert out[9] == "| a | 0.5000 | 0.5000 | - | - | 75.0% (300/400) | 12.5 / 10.0 / 40.0 | 10.0 | 2.0 |"

@@ -14,6 +14,7 @@ from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache
 from kernels_rocm.mla_decode import mla_paged_attention
 from kernels_rocm.paged_attention import paged_attention
 from model_ops.attention import torch_ref
+from model_ops.quant.fp8 import dequantize_fp8, quantize_fp8
 
 NUM_BLOCKS = 65_536 + 512
 FIRST_HIGH_BLOCK = 65_536
@@ -39,13 +40,17 @@ def _assert_written_exactly(cache, before, slots):
 def test_mha_write_then_attend(meta):
     g = torch.Generator().manual_seed(1)
     num_tokens, heads, dim = sum(Q_LENS), 1, 16
-    k_cache, v_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, heads, dim, generator=g)
+    # a guard block before each cache: a write to the skipped slot lands there, not outside the tensor
+    pool = torch.randn(2, NUM_BLOCKS + 1, BLOCK_SIZE, heads, dim, generator=g)
+    k_cache, v_cache = pool[:, 1:]
+    guards = pool[:, 0].clone()
     k_before, v_before = k_cache.clone(), v_cache.clone()
     key, value = torch.randn(2, num_tokens, heads, dim, generator=g)
     slots = meta.slot_mapping.clone()
     slots[2] = -1  # a padding token: must not be written
 
     write_kv_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(pool[:, 0], guards), "the skipped slot was written"
     _assert_written_exactly(k_cache, k_before, slots)
     _assert_written_exactly(v_cache, v_before, slots)
     written = slots >= 0
@@ -80,4 +85,38 @@ def test_mla_write_then_attend(meta):
         out = mla_paged_attention(
             q_latent, q_pe, kv_cache, *metadata_args(meta), 0.2, out=nan_like(q_latent), num_kv_splits=splits
         )
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_fp8_write_then_attend(meta, kind):
+    """The same with fp8 caches (1-byte elements: the block stride in bytes differs from the
+    fp32 case above); e4m3fn for MHA, e4m3fnuz for MLA."""
+    g = torch.Generator().manual_seed(3)
+    num_tokens, dim = sum(Q_LENS), 16
+    dtype = torch.float8_e4m3fn if kind == "mha" else torch.float8_e4m3fnuz
+    scale = torch.tensor([0.75])
+    shape = (NUM_BLOCKS, BLOCK_SIZE, 1, dim) if kind == "mha" else (NUM_BLOCKS, BLOCK_SIZE, dim)
+    cache = quantize_fp8(torch.randn(*shape, generator=g), scale, dtype)
+    before = cache.clone()
+    rows = torch.randn(num_tokens, dim, generator=g)
+    if kind == "mha":
+        write_kv_cache(rows.unsqueeze(1), None, cache, None, meta.slot_mapping, k_scale=scale)
+    else:
+        write_mla_kv_cache(rows[:, :8], rows[:, 8:], cache, meta.slot_mapping, scale=scale)
+    _assert_written_exactly(cache.view(torch.uint8), before.view(torch.uint8), meta.slot_mapping)
+    written = cache.view(torch.uint8).flatten(0, 1)[meta.slot_mapping].reshape(num_tokens, dim)
+    assert torch.equal(written, quantize_fp8(rows, scale, dtype).view(torch.uint8))
+
+    values = dequantize_fp8(cache, scale)
+    q = torch.randn(num_tokens, 4, dim, generator=g)
+    for splits in (1, 4):
+        if kind == "mha":
+            expected = torch_ref.paged_attention(q, values, values, meta, 0.25)
+            out = paged_attention(q, cache, cache, *metadata_args(meta), 0.25, k_scale=scale, v_scale=scale,
+                                  out=nan_like(q), num_kv_splits=splits)
+        else:
+            expected = torch_ref.paged_attention(q, values.unsqueeze(2), values[..., :8].unsqueeze(2), meta, 0.25)
+            out = mla_paged_attention(q[..., :8], q[..., 8:], cache, *metadata_args(meta), 0.25, kv_scale=scale,
+                                      out=nan_like(q[..., :8]), num_kv_splits=splits)
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)

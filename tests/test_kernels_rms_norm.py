@@ -71,3 +71,28 @@ def test_models_on_the_fused_norm_path_generate_the_eager_tokens(make_llama, mon
     for a, b in zip(fused, eager):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close([t.logprob for t in a.logprobs], [t.logprob for t in b.logprobs], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_eager_norm_rounds_like_transformers(dtype):
+    """The eager RMSNorm (the CPU path) and rms_norm_reference (the GPU kernel's oracle) equal
+    transformers' LlamaRMSNorm bit for bit in half precision: the normalised row is rounded to the
+    activation dtype before the weight multiply. A weight applied in fp32 instead changes about a
+    quarter of bf16 outputs by one ulp, which no fp32 CPU test can see."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from model_ops.layernorm import RMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    x, residual = (torch.randn(2, 16, 512, generator=g) * 3).to(dtype)
+    weight = (1 + 0.5 * torch.randn(512, generator=g)).to(dtype)
+    hf = LlamaRMSNorm(512, eps=EPS).to(dtype)
+    ours = RMSNorm(512, eps=EPS).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+        ours.weight.copy_(weight)
+        expected = hf(x)
+        assert torch.equal(ours(x), expected)
+        assert torch.equal(rms_norm_reference(x, weight, EPS), expected)
+        out, new_residual = ours.add_forward(x, residual)
+        assert torch.equal(new_residual, x + residual) and torch.equal(out, hf(x + residual))

@@ -16,8 +16,12 @@ def test_every_engine_flag_is_documented():
     assert not missing, f"README's flag table lacks {missing}"
 
 
-def test_readme_test_command_is_what_ci_runs():
+def test_readme_setup_commands_are_what_ci_runs():
+    """The README's two set-up commands (its first two bash blocks) are the last two lines of
+    .ci/run, verbatim: CI walks the newcomer's path."""
     readme = (ROOT / "README.md").read_text()
-    ci = (ROOT / ".ci" / "run").read_text()
-    command = next(line for line in ci.splitlines() if line.startswith("python -m pytest"))
-    assert command in readme
+    blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash\n")[1:3]]
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip()]
+    assert blocks == ci[-2:]
+    assert blocks[0].endswith("python -m atom_like.examples.simple_inference")
+    assert "python -m pytest tests" in blocks[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
+from chi_square import P_FLOOR, chi_square_pvalue
 
 from atom_like import LLMEngine, SamplingParams
 from model_ops.sampling import SamplingTensors, processed_probs
@@ -33,18 +33,24 @@ def test_top_k_1_equals_greedy(llama_path):
     assert [o.token_ids for o in top1] == [o.token_ids for o in greedy]
 
 
+SAMPLING_SEED = 0  # the sampler's seed in the distribution test (seeds 0..19 all passed: see its docstring)
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.0, -1, 0.8), (1.5, 5, 0.9)])
 def test_empirical_distribution_matches_softmax(temperature, top_k, top_p):
+    """Chi-square in float64, p >= chi_square.P_FLOOR (1e-3). Run once over sampler seeds 0..19
+    for each case (80 runs): p from 0.0063 to 0.98, one below 0.05; seed 0, kept here, gives
+    0.65 / 0.28 / 0.19 / 0.26."""
     vocab, n = 12, 40000
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(7)) * 2
     st = SamplingTensors.build([temperature] * n, [top_k] * n, [top_p] * n, [None] * n, vocab, torch.device("cpu"))
     # verification without draft tokens is plain sampling (the engine's one sampling path)
-    tokens = verify(logits.expand(n, vocab), [[]] * n, st, torch.Generator().manual_seed(0)).token_ids
+    tokens = verify(logits.expand(n, vocab), [[]] * n, st, torch.Generator().manual_seed(SAMPLING_SEED)).token_ids
     counts = np.bincount([t[0] for t in tokens], minlength=vocab)
 
     # the expected distribution, written out directly: top-k first, then top-p over the
     # renormalised top-k set (the order transformers' warpers and vLLM use)
-    p = torch.softmax(logits[0] / temperature, -1)
+    p = torch.softmax(logits[0].double() / temperature, -1)
     order = p.argsort(descending=True).tolist()
     if top_k > 0:
         order = order[:top_k]
@@ -61,9 +67,8 @@ def test_empirical_distribution_matches_softmax(temperature, top_k, top_p):
     assert counts[~keep.numpy()].sum() == 0, "sampled a token outside top-k/top-p"
     np.testing.assert_allclose(processed_probs(logits, st.rows(torch.tensor([0])))[0].numpy(), expected, atol=1e-6)
     support = keep.numpy()
-    f_exp = expected[support].astype(np.float64)
-    _, pvalue = stats.chisquare(counts[support], f_exp / f_exp.sum() * counts.sum())
-    assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}"
+    pvalue = chi_square_pvalue(counts[support], expected[support])
+    assert pvalue >= P_FLOOR, f"chi-square p={pvalue:.2e}"
 
 
 def test_logprobs_are_log_softmax(llama_path):

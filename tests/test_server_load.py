@@ -77,23 +77,28 @@ def test_clients_that_leave_mid_stream_free_their_blocks(server, model):
     aborted_before = server.metric("atom_like:request_success_total", ABORTED)
     body = {"model": model, "prompt": [5, 6, 7], "max_tokens": MAX_MODEL_LEN - 3, "ignore_eos": True, "stream": True}
 
-    async def leave_after_three_chunks(http: httpx.AsyncClient) -> int:
+    async def leave_after_three_chunks(http: httpx.AsyncClient) -> tuple[int, str]:
         async with http.stream("POST", "/v1/completions", json=body) as response:
             chunks = 0
             async for line in response.aiter_lines():
                 chunks += line.startswith("data: ")
                 if chunks == 3:
-                    return chunks
-        return chunks
+                    return chunks, response.headers["x-request-id"]
+        return chunks, response.headers["x-request-id"]
 
     async def main():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
             return await asyncio.gather(*(leave_after_three_chunks(http) for _ in range(4)))
 
-    assert asyncio.run(main()) == [3] * 4
+    results = asyncio.run(main())
+    assert [chunks for chunks, _ in results] == [3] * 4
     assert server.wait_for_metric("atom_like:request_success_total", lambda n: n == aborted_before + 4,
                                   labels=ABORTED) == aborted_before + 4
     assert_all_blocks_free(server)
+    log = server.log_tail(200_000)
+    for _, request_id in results:  # one line per abort, naming the request
+        assert sum(f"request {request_id}: " in line and "aborting 1 unfinished sequence" in line
+                   for line in log.splitlines()) == 1
 
 
 def test_client_that_leaves_before_a_whole_response_frees_its_blocks(server, model):
@@ -114,6 +119,41 @@ def test_client_that_leaves_before_a_whole_response_frees_its_blocks(server, mod
     assert server.wait_for_metric("atom_like:request_success_total", lambda n: n == aborted_before + 1,
                                   labels=ABORTED) == aborted_before + 1
     assert_all_blocks_free(server)
+    # the tokens it got before leaving count as generated (the metric counts generation, not delivery)
+    assert server.metric("atom_like:generation_tokens_total") > generated_before
+    assert "the client disconnected; aborting 1 unfinished sequence" in server.log_tail(200_000)
+
+
+def test_a_one_prompt_request_is_not_queued_behind_a_2000_prompt_one(server, model):
+    """Round-robin admission: the small request enters the engine after at most one more of the
+    big one's sequences and starts after at most max_num_seqs + 1 of them. Checked here with
+    room for HTTP latency (the engine keeps finishing the big one's sequences meanwhile): it
+    finishes while fewer than 250 of the big request's 2,000 sequences do (first come, first
+    served, it waited for all of them)."""
+    big = {"model": model, "prompt": [[1 + i % 100, 2, 3] for i in range(2000)], "max_tokens": 2, "ignore_eos": True,
+           "temperature": 0}
+    small = {"model": model, "prompt": [9, 8, 7], "max_tokens": 2, "ignore_eos": True, "temperature": 0}
+    finished = '{finished_reason="length"}'
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
+            before = server.metric("atom_like:request_success_total", finished)
+            big_request = asyncio.create_task(http.post("/v1/completions", json=big))
+            while server.metric("atom_like:request_success_total", finished) == before:
+                await asyncio.sleep(0.01)  # the big one is running
+            start, done_before = time.monotonic(), server.metric("atom_like:request_success_total", finished)
+            response = await http.post("/v1/completions", json=small)
+            elapsed = time.monotonic() - start
+            done_meanwhile = server.metric("atom_like:request_success_total", finished) - done_before - 1
+            big_request.cancel()  # leave: its remaining sequences are aborted
+            with pytest.raises(asyncio.CancelledError):
+                await big_request
+            return response, done_meanwhile, elapsed
+
+    response, done_meanwhile, elapsed = asyncio.run(main())
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+    assert done_meanwhile < 250, (done_meanwhile, elapsed)
+    assert_all_blocks_free(server)
 
 
 def test_benchmark_serving_random(server, model, make_llama, tmp_path):
@@ -130,6 +170,7 @@ def test_benchmark_serving_random(server, model, make_llama, tmp_path):
         assert set(summary[key]) == {"mean", "median", "p99"} and summary[key]["p99"] > 0
     assert summary["request_throughput"] > 0 and summary["output_token_throughput"] > 0
     assert summary["speculation"] is None  # the server runs without speculation
+    assert summary["prefix_cache"]["queries"] >= summary["total_input_tokens"]  # its default: caching on
     assert (tmp_path / "latency.png").stat().st_size > 0
 
 

@@ -25,6 +25,7 @@ from atom_like.engine.tp_executor import WorkerError, check_tensor_parallel
 from atom_like.loader.weights import check_tp_slices, iter_checkpoint, load_weights, tp_part
 from atom_like.models.registry import build_model, target_model_class
 from model_ops.linear import RowParallelLinear
+from model_ops.quant.mxfp4_layers import MXFP4Experts, MXFP4Linear
 from model_ops.tp import tp_state
 
 rng = np.random.default_rng(5)
@@ -69,13 +70,45 @@ def check_spec_pair(target: str, draft: str, tp_size: int, prompts=PROMPTS, k: i
     return engine
 
 
-def test_llama_tp2_greedy_seeded_weights_and_a_killed_worker(make_llama):
+# what a step carries to the ranks beyond tokens: logits processors, logprobs of sampled and of
+# prompt tokens, a prompt-only request, seeded sampling (every rank must draw the same noise)
+FEATURES = [
+    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2,
+                   presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3),
+    SamplingParams(temperature=0.9, max_tokens=8, seed=7, logit_bias={5: 3.0, 9: -100.0}, min_tokens=5,
+                   stop_token_ids=[1, 2, 3, 4]),
+    SamplingParams(max_tokens=0, prompt_logprobs=1),
+]
+# after PROMPTS ran, prompts that share PROMPTS[1]'s first block hit the prefix cache
+PREFIXED = [PROMPTS[1][:20] + [7, 7], PROMPTS[1][:17]]
+
+
+def assert_same_outputs(got, expected) -> None:
+    """Same tokens and finish reasons; logprobs equal up to fp32 rounding (the ranks' partial sums
+    are added in another order than one GEMM's)."""
+    def close(a, b) -> bool:
+        return a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4 and a.top.keys() == b.top.keys()
+
+    for g, e in zip(got, expected, strict=True):
+        assert (g.token_ids, g.finish_reason) == (e.token_ids, e.finish_reason)
+        for ours, theirs in ((g.logprobs, e.logprobs), (g.prompt_logprobs, e.prompt_logprobs)):
+            assert (ours is None) == (theirs is None)
+            assert ours is None or all(a is b is None or close(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_llama_tp2_sampling_features_prefix_cache_weights_and_a_killed_worker(make_llama):
     path = make_llama()
     one = LLMEngine(path, **COMMON)
     engine = LLMEngine(path, tensor_parallel_size=2, **COMMON)
     assert generate(engine) == generate(one)
+    # a repeated prefix: the same cache hits at -tp 2 as at -tp 1, and the same tokens
+    assert generate(engine, PREFIXED) == generate(one, PREFIXED)
+    assert engine.block_manager.num_hit_tokens == one.block_manager.num_hit_tokens == 32
     # seeded sampling: every rank draws the same noise as -tp 1 does
     assert generate(engine, params=SEEDED) == generate(one, params=SEEDED)
+    outs = engine.generate(PROMPTS, FEATURES, use_tqdm=False)
+    assert_same_outputs(outs, one.generate(PROMPTS, FEATURES, use_tqdm=False))
+    assert outs[0].prompt_logprobs and outs[2].prompt_logprobs and not outs[2].token_ids
 
     # weights: only the norms are replicated, so each rank holds half (and no rank the whole model)
     total = one.runner.param_bytes
@@ -94,9 +127,9 @@ def test_llama_tp2_greedy_seeded_weights_and_a_killed_worker(make_llama):
         engine.step()
 
 
-def test_llama_tp4_more_ranks_than_kv_heads_with_the_eagle3_mha_draft(make_llama, make_eagle3_llama):
-    target = make_llama()  # 4 heads, 2 KV heads: at -tp 4 each KV head lives on two ranks
-    engine = check_spec_pair(target, make_eagle3_llama(target, aux_layer_ids=[0, 1, 2]), 4)
+def test_llama_tp2_more_ranks_than_kv_heads_with_the_eagle3_mha_draft(make_llama, make_eagle3_llama):
+    target = make_llama(num_key_value_heads=1)  # at -tp 2 the one KV head lives on both ranks
+    engine = check_spec_pair(target, make_eagle3_llama(target, aux_layer_ids=[0, 1, 2]), 2)
     engine.shutdown()
     assert_all_exited(engine)
 
@@ -105,7 +138,7 @@ def test_deepseek_v3_tp2_with_the_eagle3_mla_draft_and_a_failing_step(make_deeps
     target = make_deepseek("v3")  # grouped noaux_tc routing, a shared expert, a dense first layer
     engine = check_spec_pair(target, make_eagle3_mla(target), 2)
     # a worker that raises (a block id far outside the pool) is reported with its error
-    bad = SeqStep("bad", [1, 2], [], 0, [10**9], True, None, GREEDY, 0)
+    bad = SeqStep("bad", [1, 2], [], 0, [10**9], True, None, GREEDY, 0, 2)
     with pytest.raises(WorkerError, match=r"rank \d failed: IndexError"):
         engine.runner.execute(StepBatch([bad]))
     assert_all_exited(engine)
@@ -120,6 +153,47 @@ def test_kimi_k25_tp4_with_the_shipped_eagle3_mla_draft():
     assert engine.spec_stats.num_accepted_tokens > 0
     engine.shutdown()
     assert_all_exited(engine)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_kimi(make_deepseek, tmp_path_factory):
+    """Factory: a random tiny Kimi-K2.5 in the released Quark MXFP4 layout (routed and shared
+    experts and the dense MLP packed, MLA bf16) with fp8 KV-cache scales, whose experts'
+    intermediate size is `intermediate` (the dense MLP's twice that)."""
+    from atom_like.zoo.quark_mxfp4 import convert
+
+    def make(intermediate: int) -> str:
+        src = make_deepseek("kimi", n_group=1, topk_group=1, moe_intermediate_size=intermediate,
+                            intermediate_size=2 * intermediate)
+        scales = {f"language_model.model.layers.{i}.self_attn": 0.01 + 0.002 * i for i in range(3)}
+        return str(convert(src, tmp_path_factory.mktemp(f"mxfp4_{intermediate}"), style="released",
+                           kv_scales=scales))
+
+    return make
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_mxfp4_kimi_tp2(mxfp4_kimi, kv_cache_dtype):
+    """Packed weights split on block boundaries (64 intermediate rows: one 32-value block a rank),
+    fp8 KV with the checkpoint's per-tensor scales on every rank."""
+    path = mxfp4_kimi(64)
+    one = LLMEngine(path, kv_cache_dtype=kv_cache_dtype, **COMMON)
+    assert sum(isinstance(m, MXFP4Experts) for m in one.runner.model.modules()) == 2
+    engine = LLMEngine(path, tensor_parallel_size=2, kv_cache_dtype=kv_cache_dtype, **COMMON)
+    assert generate(engine) == generate(one)
+    assert all(info.param_bytes < 0.7 * one.runner.param_bytes for info in engine.runner.infos)
+    engine.shutdown()
+    assert_all_exited(engine)
+
+
+def test_an_mxfp4_tp_that_cuts_a_block_is_refused_before_any_process_starts(mxfp4_kimi):
+    import multiprocessing
+
+    path = mxfp4_kimi(32)  # 16 intermediate rows a rank: half a block
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.w2\b.*: --tensor-parallel-size 2 would cut "
+                                         r"dim \d \(32 elements\) at element 16, inside a 32-element block"):
+        LLMEngine(path, tensor_parallel_size=2, **COMMON)
+    assert not multiprocessing.active_children()
 
 
 @pytest.mark.parametrize("tp_size, message", [
@@ -196,20 +270,18 @@ def test_each_rank_loads_exactly_its_slice_of_every_tensor(make_llama, make_deep
             assert torch.equal(qkv[16:32], qkv_full[64 + 16 * kv_head:64 + 16 * (kv_head + 1)])
 
 
-class _BlockQuantizedRowLinear(RowParallelLinear):
-    """What a block-quantized layer declares (MXFP4: 2 FP4 values per stored byte, 32-value blocks)."""
-
-    def tp_granularity(self, param: str, along_input: bool) -> tuple[int, int]:
-        return (2, 32) if along_input else (1, 1)
-
-
-def test_a_split_inside_a_quantization_block_is_refused_naming_the_layer():
+def test_a_split_inside_an_mxfp4_block_is_refused_naming_the_layer():
+    """The packed layers take their float layer's split and refuse one that cuts a 32-value block."""
     model = torch.nn.Module()
     with tp_state(0, 2):
-        model.down_proj = _BlockQuantizedRowLinear(128, 16)  # 64 inputs per rank: two whole blocks
+        model.down_proj = MXFP4Linear(64, 16, sharding=RowParallelLinear(128, 16).sharding)  # 64 inputs a rank
         check_tp_slices(model)
         assert model.down_proj.tp_slice("weight", None).stored_index("w") == [(slice(None), slice(0, 32))]
-        model.down_proj = _BlockQuantizedRowLinear(96, 16)  # 48 per rank: rank 1 would start mid-block
+        assert model.down_proj.tp_slice("weight_scale", None).stored_index("s") == [(slice(None), slice(0, 2))]
+        model.down_proj = MXFP4Linear(48, 16, sharding=RowParallelLinear(96, 16).sharding)  # rank 1 starts mid-block
         with pytest.raises(ValueError, match=r"down_proj\.weight: --tensor-parallel-size 2 would cut dim 1 "
                                              r"\(96 elements\) at element 48, inside a 32-element block"):
+            check_tp_slices(model)
+        model.down_proj = MXFP4Experts(2, 32, 96)  # the experts' down_proj alike
+        with pytest.raises(ValueError, match=r"down_proj\.w2\b.*: --tensor-parallel-size 2 .* at element 48"):
             check_tp_slices(model)

@@ -1,7 +1,7 @@
 """-tp 2 through the entry points users run (CPU, gloo): the OpenAI server answers the real
 `openai` client with the tokens of -tp 1, and Ctrl-C leaves no worker behind; a driver killed
-outright takes its workers with it; simple_inference under torchrun prints what -tp 1 prints;
-the GSM8K job passes -tp to the server it starts."""
+outright takes its workers with it; the server under torchrun (every rank runs it, rank 0 serves)
+answers as -tp 1 does and Ctrl-C ends every rank; the GSM8K job passes -tp to the server it starts."""
 from __future__ import annotations
 
 import os
@@ -15,6 +15,7 @@ import openai
 from server_process import running_server
 
 from atom_like import LLMEngine, SamplingParams
+from atom_like.entrypoints.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "w5 w17 w3 w90 w41"
@@ -84,20 +85,58 @@ def test_a_driver_killed_outright_takes_its_workers_along(make_llama):
         driver.kill()
 
 
-def test_simple_inference_under_torchrun_prints_what_tp1_prints(make_llama, capsys):
-    from atom_like.examples import simple_inference
+def children(pid: int, marker: bytes) -> list[int]:
+    """Children of `pid` whose command line contains `marker` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and marker in cmdline:
+                found.append(int(entry))
+    return found
 
+
+def test_server_under_torchrun_answers_the_openai_client_and_ctrl_c_ends_every_rank(make_llama, tmp_path):
+    """Every rank runs the server module; only rank 0 binds the port and serves; Ctrl-C (SIGINT to
+    the terminal's process group) ends both ranks cleanly."""
     path = make_llama(tokenizer=True)
-    flags = ["--model", path, "--max-tokens", "6", "--max-model-len", "96", "--device", "cpu"]
-    simple_inference.main(flags)
-    expected = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("Prompt:", "Completion:"))]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "atom_like.examples.simple_inference", *flags, "-tp", "2"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    printed = [line for line in run.stdout.splitlines() if line.startswith(("Prompt:", "Completion:"))]
-    assert printed == expected and len(expected) == 8
+    expected = LLMEngine(path, max_model_len=96).generate([WORDS], SamplingParams(temperature=0, max_tokens=8),
+                                                         use_tqdm=False)[0]
+    port = free_port()
+    log = open(tmp_path / "torchrun.log", "w")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "atom_like.entrypoints.openai_server", "--model", path, "-tp", "2", "--max-model-len", "96",
+         "--port", str(port), "--disable-uvicorn-access-log"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        deadline = time.monotonic() + 180
+        while True:
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()[-3000:]
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.3)
+        out = client.completions.create(model=model, prompt=WORDS, max_tokens=8, temperature=0)
+        assert out.choices[0].text == expected.text
+        ranks = children(launcher.pid, b"atom_like.entrypoints.openai_server")
+        assert len(ranks) == 2, ranks
+        os.killpg(launcher.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches torchrun and every rank
+        launcher.wait(60)
+        assert wait_gone(ranks) == []
+        text = (tmp_path / "torchrun.log").read_text()  # torchrun prefixes a rank's traceback with [rankN]
+        assert "[rank0]" not in text and "[rank1]" not in text, text[-3000:]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        log.close()
 
 
 def test_the_gsm8k_job_takes_a_tensor_parallel_size():

@@ -124,7 +124,7 @@ def test_trainer_writes_the_public_checkpoint_layout(micro, tmp_path, target, fl
     assert (cfg["num_hidden_layers"], cfg["vocab_size"], cfg["target_hidden_size"], cfg["tie_word_embeddings"]) == (1, V, H, False)
     assert cfg["draft_vocab_size"] == (200 if small_vocab else V)
     assert cfg["eagle_config"]["use_aux_hidden_state"] is True
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == R.default_aux_layer_ids(target_cfg["num_hidden_layers"])
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == R.training_aux_layer_ids(target_cfg["num_hidden_layers"])
     assert cfg.get("fc_norm", False) == ("--fc-norm" in flags) and cfg.get("norm_output", False) == ("--norm-output" in flags)
     assert tensors["fc.weight"].shape == (H, 3 * H) and tensors["lm_head.weight"].shape[0] == cfg["draft_vocab_size"]
     if mla:
@@ -179,14 +179,14 @@ def test_reference_speculate_is_lossless_and_replay_matches_it(micro, target, ar
     assert total > 0  # the comparison covered accepted drafts, not only rejections
 
 
-def test_default_aux_layer_ids():
-    assert R.default_aux_layer_ids(61) == [2, 30, 58] and R.default_aux_layer_ids(30) == [2, 15, 27]
-    assert R.default_aux_layer_ids(5) == [2, 3, 4]  # tiny-kimi
+def test_training_aux_layer_ids():
+    assert R.training_aux_layer_ids(61) == [2, 30, 58] and R.training_aux_layer_ids(30) == [2, 15, 27]
+    assert R.training_aux_layer_ids(5) == [2, 3, 4]  # tiny-kimi
     for n in range(5, 65):
-        ids = R.default_aux_layer_ids(n)
+        ids = R.training_aux_layer_ids(n)
         assert len(set(ids)) == 3 and ids == sorted(ids) and ids[0] == 2 and ids[-1] <= n - 1
     with pytest.raises(ValueError, match="too shallow"):
-        R.default_aux_layer_ids(4)
+        R.training_aux_layer_ids(4)
 
 
 def test_engine_regeneration_equals_transformers_generate(micro):

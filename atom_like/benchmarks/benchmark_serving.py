@@ -5,8 +5,9 @@
 
 Sends streamed /v1/completions requests (Poisson arrivals at --request-rate, and/or at most
 --max-concurrency in flight) and reports request and token throughput, TTFT, TPOT, ITL and
-end-to-end latency (mean / median / p99), plus the server's speculation numbers for this run
-(the difference of its /metrics counters before and after; absent on servers without them).
+end-to-end latency (mean / median / p99), plus the server's speculation numbers and prefix-cache
+hit rate for this run (the difference of its /metrics counters before and after; absent on
+servers without them).
 
 ITL is measured between streamed chunks; with speculation one chunk may carry several tokens,
 so ITL is the time between chunks and TPOT the time per token.
@@ -25,9 +26,10 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from atom_like.config import add_flag
-from atom_like.entrypoints.metrics import SpecSnapshot
-from atom_like.zoo import data
+from atom_like.cli import entry_point
+from atom_like.config import add_flag, load_tokenizer
+from atom_like.entrypoints.metrics import PrefixCacheSnapshot, SpecSnapshot, scrape_metrics
+from atom_like.zoo import MODELS, data, model_path
 
 
 
@@ -165,7 +167,8 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
 
 
-def summarize(results: list[RequestResult], duration: float, spec: SpecSnapshot | None) -> dict:
+def summarize(results: list[RequestResult], duration: float, spec: SpecSnapshot | None,
+              prefix_cache: PrefixCacheSnapshot | None = None) -> dict:
     done = [r for r in results if r.ok]
     prompt_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
@@ -178,6 +181,7 @@ def summarize(results: list[RequestResult], duration: float, spec: SpecSnapshot 
         "ttft_ms": _stats([r.ttft for r in done]), "tpot_ms": _stats([r.tpot for r in done if r.tpot is not None]),
         "itl_ms": _stats([x for r in done for x in r.itl]), "e2e_latency_ms": _stats([r.latency for r in done]),
         "speculation": spec.as_dict() if spec is not None and spec.num_speculative_tokens else None,
+        "prefix_cache": prefix_cache.as_dict() if prefix_cache is not None and prefix_cache.queries else None,
         "errors": sorted({r.error for r in results if not r.ok})[:10],
     }
 
@@ -198,6 +202,8 @@ def print_report(summary: dict) -> None:
                  ("Per-position acceptance", " ".join(f"{p:.3f}" for p in spec["per_position_acceptance"]))]
     else:
         rows.append(("Speculative decoding", "off (or not reported)"))
+    cache = summary.get("prefix_cache")
+    rows.append(("Prefix cache hit rate (tokens)", f"{cache['hit_rate']:.1%}" if cache else "off (or not reported)"))
     print("=" * 20 + " Serving Benchmark Result " + "=" * 20)
     for name, value in rows:
         print(f"{name:<40}{value:>26.2f}" if isinstance(value, float) else f"{name:<40}{value!s:>26}")
@@ -228,18 +234,19 @@ def plot(results: list[RequestResult], path: str) -> None:
     plt.close(fig)
 
 
-def _scrape(base_url: str) -> SpecSnapshot | None:
+def _scrape(base_url: str) -> str | None:
     try:
-        return SpecSnapshot.scrape(base_url)
+        return scrape_metrics(base_url)
     except httpx.HTTPError:
-        return None  # a server without /metrics: report no speculation numbers
+        return None  # a server without /metrics: report no speculation or cache numbers
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flag(parser, "base_url", str, "http://127.0.0.1:8000", "Server address (without /v1).")
     add_flag(parser, "model", str, None, "Model name to send (default: the server's first model).")
-    add_flag(parser, "tokenizer", str, None, "Tokenizer folder, to size prompts and outputs (default: --model, when it is a folder).")
+    add_flag(parser, "tokenizer", str, None, "Tokenizer folder or zoo name, to size prompts and outputs (default: --model, when it is a folder).")
     parser.add_argument("--dataset", choices=["sharegpt", "random"], default="random")
     add_flag(parser, "num_prompts", int, 100, "Requests to send.")
     add_flag(parser, "request_rate", float, float("inf"), "Poisson arrival rate in requests/s (inf: all at once).")
@@ -254,15 +261,19 @@ def main(argv: list[str] | None = None) -> dict:
     add_flag(parser, "save_result", str, None, "Write the summary and per-request numbers to this JSON.")
     args = parser.parse_args(argv)
 
-    from transformers import AutoTokenizer
-
-    base_url = args.base_url.rstrip("/")
-    card = httpx.get(f"{base_url}/v1/models", timeout=30).raise_for_status().json()["data"][0]
-    model = args.model or card["id"]
     tokenizer_path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
     if tokenizer_path is None:
         parser.error("--tokenizer DIR is needed to size prompts")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if tokenizer_path in MODELS:  # a zoo name, as the server's --model takes
+        tokenizer_path = model_path(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    base_url = args.base_url.rstrip("/")
+    try:
+        card = httpx.get(f"{base_url}/v1/models", timeout=30).raise_for_status().json()["data"][0]
+    except httpx.TransportError as exc:
+        raise ValueError(f"no server answers at --base-url {base_url} ({exc}); start one with "
+                         "python -m atom_like.entrypoints.openai_server --model DIR") from exc
+    model = args.model or card["id"]
     if args.dataset == "random":
         requests = random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                    args.random_range_ratio, args.seed)
@@ -274,7 +285,11 @@ def main(argv: list[str] | None = None) -> dict:
     results, duration = asyncio.run(run(base_url, model, requests, args.request_rate, args.max_concurrency,
                                         args.ignore_eos, args.seed))
     after = _scrape(base_url)
-    summary = summarize(results, duration, after.minus(before) if before and after else None)
+    spec = cache = None
+    if before is not None and after is not None:
+        spec = SpecSnapshot.parse(after).minus(SpecSnapshot.parse(before))
+        cache = PrefixCacheSnapshot.parse(after).minus(PrefixCacheSnapshot.parse(before))
+    summary = summarize(results, duration, spec, cache)
     print_report(summary)
     if args.plot:
         plot(results, args.plot)

@@ -8,7 +8,7 @@ never hands out, which also absorbs the draft chain's writes for those rows. Eve
 value lives in device memory; the only host values frozen into a graph are upper bounds
 (max_query_len = k + 1, max_context_len = the block-table capacity), which the kernels accept.
 The target's aux hidden states are written into the runner-owned buffer inside the graph, so a
-replay refreshes them for the draft (seed 004's graph_aux_hidden idea, without tuple plumbing).
+replay refreshes them for the draft (ROCm/ATOM#631's graph_aux_hidden idea, without tuple plumbing).
 
 Without a GPU the same static-buffer path "replays" by re-running the function, which keeps
 the padding and buffer logic under CPU tests; `--enforce-eager` turns all of this off. Under

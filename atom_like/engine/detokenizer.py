@@ -24,8 +24,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def add(self, token_id: int) -> bool:
-        """Append one generated token; True when a stop string completed (text is cut before it)."""
+    def add(self, token_id: int, check_stop: bool = True) -> bool:
+        """Append one generated token; True when a stop string completed (text is cut before it).
+        With `check_stop` False the text grows and no stop string is looked for."""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -34,7 +35,7 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        for s in self.stop:
+        for s in self.stop if check_stop else ():
             at = self.text.find(s, max(0, before - len(s) + 1))
             if at != -1:
                 self.text = self.text[:at]

@@ -4,15 +4,14 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from tqdm import tqdm
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from atom_like.config import (EngineArgs, load_model_config, resolve_device, resolve_dtype,
-                              resolve_max_model_len, text_config)
+from atom_like.config import (EngineArgs, load_model_config, load_tokenizer, require_stated_fields, resolve_device,
+                              resolve_dtype, resolve_max_model_len, text_config)
 from atom_like.engine.block_manager import BlockManager
 from atom_like.engine.detokenizer import IncrementalDetokenizer
 from atom_like.engine.model_runner import ProposerFactory
@@ -20,6 +19,8 @@ from atom_like.engine.scheduler import Scheduler
 from atom_like.engine.sequence import Sequence
 from atom_like.engine.step_inputs import StepBatch
 from atom_like.engine.tp_executor import StepExecutor, make_executor
+from atom_like.loader.weights import check_checkpoint_files
+from atom_like.models.registry import target_model_class
 from atom_like.sampling_params import RequestOutput, SamplingParams
 from spec_decode.stats import SpecStats
 
@@ -45,6 +46,9 @@ class LLMEngine:
         if self.args.model is None:
             raise ValueError("no model given: pass a checkpoint folder (--model DIR)")
         self.hf_config = load_model_config(self.args.model, self.args.trust_remote_code)
+        model_class = target_model_class(self.hf_config)
+        require_stated_fields(self.hf_config, self.args.model, model_class.stated_config_fields, model_class.__name__)
+        check_checkpoint_files(self.args.model)
         self.device = resolve_device(self.args.device)
         self.dtype = resolve_dtype(self.args.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(self.args.max_model_len, self.hf_config)
@@ -53,15 +57,18 @@ class LLMEngine:
         self.runner: StepExecutor = make_executor(self.args, self.hf_config, self.device, self.dtype,
                                                   self.max_model_len, proposer_factory)
         self.tokenizer = self._load_tokenizer()
-        self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size)
+        # a draft's KV at a position is built from the token after it: cache keys take one more token
+        self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size, self.args.enable_prefix_caching,
+                                          lookahead=1 if self.runner.num_spec_tokens else 0)
         self.eos_token_ids = self._eos_token_ids()
         self.scheduler = Scheduler(self.block_manager, self.args.max_num_seqs, self.args.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids, self.runner.num_spec_tokens)
         self.requests: dict[str, _Request] = {}
         self._finished_ids: list[str] = []  # finished since the last step; the runner drops their state
         self._ids = itertools.count()
-        logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d", self.args.model, self.device,
-                    str(self.dtype).removeprefix("torch."), self.max_model_len)
+        logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d, prefix caching %s", self.args.model,
+                    self.device, str(self.dtype).removeprefix("torch."), self.max_model_len,
+                    "on" if self.args.enable_prefix_caching else "off")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -72,7 +79,7 @@ class LLMEngine:
         if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
             logger.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", path)
             return None
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=self.args.trust_remote_code)
+        return load_tokenizer(path, self.args.trust_remote_code)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -92,16 +99,19 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
             return self.tokenizer(prompt).input_ids
-        ids = list(prompt)
-        if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
-        return ids
+        return list(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        outside = [t for t in params.logit_bias if t >= self.runner.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {self.runner.vocab_size}): {outside[:5]}")
         if not prompt_ids:
             raise ValueError("prompt is empty")
+        # here, not in encode: add_request(prompt_ids=...), the server's path, skips encode
+        if any(not isinstance(t, int) or not 0 <= t < self.runner.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len} "
@@ -118,7 +128,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params)
+        stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+        seq = Sequence(request_id, ids, params, stop_ids)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None
         self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None, detok)
         self.scheduler.add(seq)
@@ -149,7 +160,16 @@ class LLMEngine:
         step = StepBatch.from_scheduled(batch, self._finished_ids)
         self._finished_ids.clear()
         results = self.runner.execute(step)
-        return [self._output(seq) for seq in self.scheduler.update(batch, results)]
+        prompt_only = []
+        for item, result in zip(batch.seqs, results):
+            item.seq.prompt_logprobs.extend(result.prompt_logprobs)
+            if item.samples and item.seq.params.max_tokens == 0:  # it wanted the prompt forward alone
+                result.new_token_ids, result.logprobs, result.draft_token_ids = [], [], []
+                prompt_only.append(item.seq)
+        touched = self.scheduler.update(batch, results)
+        for seq in prompt_only:
+            self.scheduler.finish(seq, "length")
+        return [self._output(seq) for seq in touched]
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at -tp 1); also runs at interpreter exit."""
@@ -157,12 +177,11 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]
-        if seq.first_token_time is None and seq.num_generated:
-            seq.first_token_time = time.monotonic()
         generated = seq.generated_ids
         if request.detokenizer is not None:
             for n in range(request.num_seen, len(generated)):
-                if request.detokenizer.add(generated[n]):
+                # stop strings, like stop ids, count only from min_tokens on (as in vLLM)
+                if request.detokenizer.add(generated[n], check_stop=n + 1 >= seq.params.min_tokens):
                     del seq.token_ids[seq.num_prompt_tokens + n + 1:]
                     del seq.logprobs[n + 1:]
                     self.scheduler.finish(seq, "stop")
@@ -176,6 +195,7 @@ class LLMEngine:
             request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             text=request.detokenizer.text if request.detokenizer is not None else "", token_ids=list(generated),
             finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None else None,
         )
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -1,13 +1,16 @@
 """ModelRunner: builds and loads the model, owns the KV pool, and runs one step.
 
 The KV pool is sized, allocated and bound only through KV-cache builders (the target's, plus
-the proposer's), so this file knows no cache layout and has no draft-specific branches. One
-extra block beyond those the block manager hands out serves as scratch for padded graph rows.
+the proposer's), so this file knows no cache layout. Speculation is not hidden from it: it
+builds the proposer, verifies draft tokens before sampling and runs the draft after the
+target. One extra block beyond those the block manager hands out serves as scratch for padded
+graph rows.
 
 Under tensor parallelism one ModelRunner runs in each rank's process (engine/tp_executor.py)
-on the same StepBatch: the model's collectives give every rank identical logits, and the
-runner owns every RNG sampling draws from (the shared one seeded with --seed, one per seeded
-request), so every rank samples, verifies and proposes the same tokens.
+on the same StepBatch: the model's collectives give every rank identical logits, the batch
+carries everything the logits processors read, and the runner owns every RNG sampling draws
+from (the shared one seeded with --seed, one per seeded request), so every rank samples,
+verifies and proposes the same tokens.
 """
 from __future__ import annotations
 
@@ -21,23 +24,30 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from atom_like.config import EngineArgs, text_config
+from atom_like.config import EngineArgs, resolve_kv_cache_dtype, text_config
 from atom_like.engine.cuda_graph import DecodeGraphs
-from atom_like.engine.sampler import row_sampling_tensors, token_logprobs
+from atom_like.engine.sampler import row_logits_processors, row_sampling_tensors, token_logprobs
 from atom_like.engine.scheduler import SeqStepResult
 from atom_like.engine.speculative import build_eagle3_proposer
-from atom_like.engine.step_inputs import SeqStep, StepBatch, StepInputs, batch_host_step, host_step, upload
+from atom_like.engine.step_inputs import HostStep, SeqStep, StepBatch, StepInputs, batch_host_step, host_step, upload
+from atom_like.loader.kv_scales import read_kv_scales
+from atom_like.loader.quark import checkpoint_quantizer
 from atom_like.loader.weights import iter_checkpoint, load_weights
 from atom_like.models.base import CausalLM
 from atom_like.models.registry import build_model, target_model_class
 from model_ops import tp
 from model_ops.attention.kv_builder import KVCacheBuilder, PagedKVCacheBuilder
+from model_ops.quant.fp8 import FP8_KV_DTYPES
 from spec_decode.proposer import ProposeInputs, Proposer
 from spec_decode.rejection import verify
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CACHE_BYTES = 2 << 30  # default CPU pool cap when --num-kv-blocks is not given
+# Default CPU pool when --num-kv-blocks is not given: max_num_seqs sequences of max_model_len,
+# capped at the size of the target's weights clamped to [64 MiB, 2 GiB]. CPU memory is not
+# profiled as GPU memory is, and a CPU runs few sequences at a time: a pool the size of the
+# model keeps a small model's cache small and a large one's within reach of its RAM.
+CPU_KV_CACHE_MIN_BYTES, CPU_KV_CACHE_MAX_BYTES = 64 << 20, 2 << 30
 
 ProposerFactory = Callable[["ModelRunner"], Proposer]
 
@@ -55,20 +65,26 @@ class ModelRunner:
             torch.cuda.empty_cache()
         # GPU memory other live objects of this process hold (another engine, a reference model)
         self.baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        self.model: CausalLM = build_model(target_model_class(hf_config), text_config(hf_config), dtype, device)
-        load_weights(self.model, iter_checkpoint(args.model), self.model.weight_map())
+        self.model: CausalLM = build_model(target_model_class(hf_config), text_config(hf_config), dtype, device,
+                                           quantize=checkpoint_quantizer(hf_config, args.mxfp4_activations))
+        weight_map = self.model.weight_map()
+        load_weights(self.model, iter_checkpoint(args.model), weight_map)
         self.vocab_size = self.model.config.vocab_size
 
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
         self.proposer: Proposer | None = None
         if proposer_factory is not None:
             self.proposer = proposer_factory(self)
         elif args.method == "eagle3":
-            self.proposer = build_eagle3_proposer(args, self.model, dtype, device)
+            self.proposer = build_eagle3_proposer(args, self.model, dtype, device, self.kv_cache_dtype)
         self.num_spec_tokens = self.proposer.num_spec_tokens if self.proposer else 0
 
+        layers = self.model.attention_layers()
+        kv_scales = (read_kv_scales(args.model, self.model, layers, weight_map, "target")
+                     if self.kv_cache_dtype in FP8_KV_DTYPES else None)
         self.builders: list[KVCacheBuilder] = [
-            PagedKVCacheBuilder(self.model.attention_layers(), args.block_size, dtype, device, role="target",
-                                backend=args.attention_backend)
+            PagedKVCacheBuilder(layers, args.block_size, self.kv_cache_dtype, device, role="target",
+                                backend=args.attention_backend, kv_scales=kv_scales)
         ] + (self.proposer.kv_builders() if self.proposer else [])
         # a verify step plus its draft chain reaches 2k slots past the last verified token
         self.max_blocks_per_seq = math.ceil((max_model_len + 2 * self.num_spec_tokens) / args.block_size)
@@ -78,6 +94,11 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_bytes / 2**20)
+        if self.kv_cache_dtype != dtype:
+            ratio = dtype.itemsize / self.kv_cache_dtype.itemsize
+            logger.info("KV cache in %s: %d bytes a block instead of %d in %s, so the same memory holds %.1fx "
+                        "the tokens (%d here)", self.kv_cache_dtype, self.block_bytes, round(self.block_bytes * ratio),
+                        dtype, ratio, self.num_blocks * self.block_size)
         self.graphs: DecodeGraphs | None = None
         if not args.enforce_eager:
             max_batch = min(args.max_num_seqs, args.max_num_batched_tokens // (self.num_spec_tokens + 1))
@@ -120,7 +141,13 @@ class ModelRunner:
         if self.args.num_kv_blocks is not None:
             num_blocks = self.args.num_kv_blocks
         elif self.device.type == "cpu":
-            num_blocks = min(self.args.max_num_seqs * needed, max(needed, CPU_KV_CACHE_BYTES // self.block_bytes))
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            cap = min(max(weights, CPU_KV_CACHE_MIN_BYTES), CPU_KV_CACHE_MAX_BYTES)
+            num_blocks = min(self.args.max_num_seqs * needed, max(needed, cap // self.block_bytes))
+            logger.info("KV cache on CPU sized from the model: %d blocks = %.1f MiB (cap: the weights' %.1f MiB "
+                        "clamped to [64 MiB, 2 GiB]), %.1f sequences of max_model_len %d; --num-kv-blocks overrides",
+                        num_blocks, num_blocks * self.block_bytes / 2**20, weights / 2**20, num_blocks / needed,
+                        self.max_model_len)
         else:
             num_blocks = self._profile_gpu_blocks()
         if num_blocks < needed:
@@ -181,6 +208,8 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, step.meta)
             logits = self.model.compute_logits(hidden[step.logits_rows]) if len(host.logits_rows) else None
         results = [SeqStepResult() for _ in batch.seqs]
+        if not graphed:  # a decode graph runs no prompt
+            self._prompt_logprobs(batch, host, hidden, results)
         sampling = [i for i, n in enumerate(step.rows_per_seq) if n]
         if sampling:
             self._verify(batch, step, logits, sampling, results)
@@ -200,10 +229,12 @@ class ModelRunner:
         """Sample each sampling sequence's next token, verifying its draft tokens first if it has any."""
         items = [batch.seqs[i] for i in sampling]
         rows = [step.rows_per_seq[i] for i in sampling]
+        drafts = [item.spec_token_ids for item in items]
         st = row_sampling_tensors([item.params for item in items], [self._request_generator(item) for item in items],
                                   rows, self.vocab_size, logits.device)
+        processors = row_logits_processors(items, logits.shape[-1], logits.device)
         forced = self.proposer.forced_acceptance if self.proposer else None
-        verified = verify(logits, [item.spec_token_ids for item in items], st, self.generator, forced_acceptance=forced)
+        verified = verify(logits, drafts, st, self.generator, forced_acceptance=forced, processors=processors)
         starts = list(itertools.accumulate([0] + rows[:-1]))
         row_of_token = [start + j for start, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
         seq_of_token = [b for b, toks in enumerate(verified.token_ids) for _ in toks]
@@ -215,6 +246,35 @@ class ModelRunner:
             if item.params.logprobs is not None:
                 results[i].logprobs = logprobs[n:n + len(toks)]
             n += len(toks)
+
+    def _prompt_logprobs(self, batch: StepBatch, host: HostStep, hidden: torch.Tensor,
+                         results: list[SeqStepResult]) -> None:
+        """Logprobs of the prompt tokens this step's chunks predict (position p scores token p + 1),
+        for sequences that ask: from this very forward's hidden states, so they are the engine's
+        own numbers. Positions already scored (before a preemption) are skipped."""
+        rows, targets, top_n, owners = [], [], [], []
+        for b, item in enumerate(batch.seqs):
+            if item.params.prompt_logprobs is None:
+                continue
+            c, n = item.start, len(item.token_ids)
+            assert c <= item.num_prompt_logprobs, "prompt logprobs need every prompt position computed (no cache hit)"
+            start, end = max(c, item.num_prompt_logprobs), min(c + n, item.num_prompt_tokens - 1)
+            if start >= end:
+                continue
+            # tokens c .. c + n: the chunk, then the prompt token after it when the chunk does not end the prompt
+            known = item.token_ids if item.next_token_id is None else item.token_ids + [item.next_token_id]
+            rows.extend(range(host.query_start_loc[b] + start - c, host.query_start_loc[b] + end - c))
+            targets.extend(known[start + 1 - c:end + 1 - c])
+            top_n.extend([item.params.prompt_logprobs] * (end - start))
+            owners.append((b, end - start))
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        scored = token_logprobs(logits, torch.tensor(targets, device=hidden.device), top_n)
+        n = 0
+        for b, count in owners:
+            results[b].prompt_logprobs = scored[n:n + count]
+            n += count
 
     def _propose(self, batch: StepBatch, step: StepInputs, sampling: list[int], results: list[SeqStepResult],
                  graphed: bool) -> None:

@@ -5,7 +5,8 @@ first (a decode costs 1 + k tokens with k draft tokens to verify; an unfinished 
 next chunk), then on admitting waiting requests, whose prompts are chunked to fit. Prefill and
 decode rows share one batch. When the KV pool runs out, the newest running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed
-later, so no request is ever lost and the engine never crashes for lack of KV.
+later, so no request is ever lost and the engine never crashes for lack of KV. A request starts
+from the longest cached prefix of its tokens (block_manager.py) and computes only the rest.
 """
 from __future__ import annotations
 
@@ -30,10 +31,6 @@ class ScheduledSeq:
 class ScheduledBatch:
     seqs: list[ScheduledSeq]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens + len(s.spec_token_ids) for s in self.seqs)
-
 
 @dataclass
 class SeqStepResult:
@@ -41,6 +38,7 @@ class SeqStepResult:
     num_accepted: int = 0  # of the verified draft tokens
     draft_token_ids: list[int] = field(default_factory=list)  # proposals for the next step
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token when asked for
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens this step scored
 
 
 class Scheduler:
@@ -76,12 +74,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
 
-    def capacity_needed(self, seq: Sequence, num_new: int, num_spec: int, samples: bool) -> int:
-        """Token slots `seq` must own for this step. A sampling step is followed by k-1 draft
-        chain steps whose KV lands past the verified tokens: when all k drafts of a verify step are
-        accepted, the chain writes up to position num_computed + 2k - 1."""
+    def capacity_needed(self, num_computed: int, num_new: int, num_spec: int, samples: bool) -> int:
+        """Token slots a sequence with `num_computed` tokens must own for this step. A sampling
+        step is followed by k-1 draft chain steps whose KV lands past the verified tokens: when all
+        k drafts of a verify step are accepted, the chain writes up to position num_computed + 2k - 1."""
         lookahead = self.num_spec_tokens - 1 if samples and self.num_spec_tokens else 0
-        return seq.num_computed_tokens + num_new + num_spec + lookahead
+        return num_computed + num_new + num_spec + lookahead
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
@@ -97,7 +95,7 @@ class Scheduler:
             if num_new < 1:
                 break
             samples = num_new == remaining
-            need = self.capacity_needed(seq, num_new, len(spec), samples)
+            need = self.capacity_needed(seq.num_computed_tokens, num_new, len(spec), samples)
             while not self.block_manager.ensure_capacity(seq, need):
                 self._preempt(self.running[-1])
                 preempted = True
@@ -111,12 +109,15 @@ class Scheduler:
 
         # Admitting new work in a step that had to preempt would only thrash the pool.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            seq = self.waiting[0]  # holds no blocks, has computed nothing
+            prefix = self.block_manager.cached_prefix(seq)
+            cached = len(prefix) * self.block_manager.block_size
+            remaining = seq.num_tokens - cached
             num_new = min(remaining, budget)
             samples = num_new == remaining
-            if not self.block_manager.ensure_capacity(seq, self.capacity_needed(seq, num_new, 0, samples)):
+            if not self.block_manager.allocate(seq, prefix, self.capacity_needed(cached, num_new, 0, samples)):
                 break
+            seq.num_computed_tokens = cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -141,7 +142,9 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
+            computed_before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new_tokens + result.num_accepted
+            self.block_manager.cache_computed_blocks(seq, computed_before)
             if item.spec_token_ids:
                 self.spec_stats.observe(len(item.spec_token_ids), result.num_accepted)
             if not item.samples:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
 
 from atom_like.sampling_params import SamplingParams, TokenLogprobs
 
@@ -14,19 +13,22 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 stop_ids: list[int] | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        self.stop_ids = list(stop_ids or [])  # token ids that end it (what min_tokens holds back)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is valid in the cache
+        self.num_cached_tokens = 0  # of those, taken from the prefix cache at the last admission
+        self.block_keys: list[bytes] = []  # prefix-cache keys of its leading full blocks (block_manager.py)
         self.spec_token_ids: list[int] = []  # draft tokens awaiting verification
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] = []
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
+        self.prompt_logprobs: list[TokenLogprobs] = []  # for prompt tokens 1.. (with params.prompt_logprobs)
         self.num_preemptions = 0
 
     @property

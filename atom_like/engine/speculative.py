@@ -7,19 +7,27 @@ import logging
 import torch
 
 from atom_like.config import EngineArgs, load_model_config, require_stated_fields
+from atom_like.loader.kv_scales import read_kv_scales
 from atom_like.loader.weights import checkpoint_keys, iter_checkpoint, load_weights
 from atom_like.models.base import CausalLM, Eagle3Target
 from atom_like.models.registry import build_model, draft_model_class
+from model_ops.quant.fp8 import FP8_KV_DTYPES
 from spec_decode.aux_layers import AuxHiddenStates
 from spec_decode.proposer import Eagle3Proposer
 
 logger = logging.getLogger(__name__)
 
 
-def build_eagle3_proposer(args: EngineArgs, target: CausalLM, dtype: torch.dtype, device: torch.device) -> Eagle3Proposer:
+def build_eagle3_proposer(args: EngineArgs, target: CausalLM, dtype: torch.dtype, device: torch.device,
+                          kv_cache_dtype: torch.dtype) -> Eagle3Proposer:
+    """`kv_cache_dtype`: the draft's KV cache matches the target's (fp8 scales from the draft's
+    own checkpoint, else 1.0)."""
     if not isinstance(target, Eagle3Target):
         raise ValueError(f"{type(target).__name__} cannot serve as an EAGLE3 target (no aux hidden-state capture)")
     config = load_model_config(args.draft_model, args.trust_remote_code)
+    if getattr(config, "quantization_config", None) is not None:
+        raise ValueError(f"{args.draft_model}/config.json has a quantization_config: quantized EAGLE3 drafts are "
+                         "not supported (drafts load in the model dtype)")
     cls = draft_model_class(config)
     require_stated_fields(config, args.draft_model, cls.stated_config_fields, cls.__name__)
     draft = build_model(cls, config, dtype, device)
@@ -31,7 +39,8 @@ def build_eagle3_proposer(args: EngineArgs, target: CausalLM, dtype: torch.dtype
     if draft.d2t is not None and "d2t" not in checkpoint_keys(args.draft_model):
         raise ValueError(f"draft_vocab_size {eagle.draft_vocab_size} differs from the vocabulary {config.vocab_size} "
                          "but the draft checkpoint has no d2t mapping")
-    missing = load_weights(draft, iter_checkpoint(args.draft_model, "Loading draft"), draft.weight_map())
+    weight_map = draft.weight_map()
+    missing = load_weights(draft, iter_checkpoint(args.draft_model, "Loading draft"), weight_map)
     if missing:
         logger.info("draft checkpoint lacks %s: sharing the target's", missing)
         draft.share_target_weights(missing, *target.get_embed_and_head())
@@ -45,5 +54,7 @@ def build_eagle3_proposer(args: EngineArgs, target: CausalLM, dtype: torch.dtype
     logger.info("EAGLE3 draft %s: k=%d, aux layers %s, fc_norm=%s, norm_output=%s, draft vocab %d",
                 args.draft_model, args.num_speculative_tokens, ids, eagle.fc_norm, eagle.norm_output,
                 eagle.draft_vocab_size)
+    kv_scales = (read_kv_scales(args.draft_model, draft, draft.attention_layers(), weight_map, "draft")
+                 if kv_cache_dtype in FP8_KV_DTYPES else None)
     return Eagle3Proposer(draft, aux, args.num_speculative_tokens, args.block_size, dtype, device,
-                          args.attention_backend)
+                          args.attention_backend, kv_cache_dtype, kv_scales)

@@ -10,41 +10,56 @@ import numpy as np
 import torch
 
 from atom_like.engine.scheduler import ScheduledBatch
+from atom_like.engine.sequence import Sequence
 from atom_like.sampling_params import SamplingParams
 from model_ops.attention.metadata import AttentionMetadata
 
 
 @dataclass
 class SeqStep:
-    """One scheduled sequence as the runner sees it."""
+    """One scheduled sequence as the runner sees it. Lists a processor or prompt logprobs need
+    are sent only while a request asks for them, so a plain request's step stays a few ids."""
     request_id: str
     token_ids: list[int]  # the known tokens computed this step (a prompt chunk, or the last sampled token)
     spec_token_ids: list[int]  # draft tokens verified after them
-    start: int  # position of token_ids[0]: the tokens already in the KV cache
+    start: int  # position of token_ids[0]: the tokens already in the KV cache (a prefix-cache hit included)
     block_table: list[int]
     samples: bool  # the step ends at the sequence's last known token, so it yields a new token
     next_token_id: int | None  # a prompt chunk that does not sample: the prompt token after it (the draft's input)
     params: SamplingParams
     num_generated: int  # tokens generated before this step
+    num_prompt_tokens: int
+    num_prompt_logprobs: int = 0  # prompt positions already scored (params.prompt_logprobs): not scored again
+    stop_ids: list[int] = field(default_factory=list)  # what min_tokens holds back, while it does
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt, for the repetition penalty
+    output_ids: list[int] = field(default_factory=list)  # the generated tokens, for the penalties
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int, spec_token_ids: list[int], samples: bool) -> "SeqStep":
+        c, p = seq.num_computed_tokens, seq.params
+        end = c + num_new_tokens
+        return cls(seq.request_id, seq.token_ids[c:end], spec_token_ids, c, seq.block_table, samples,
+                   None if samples else seq.token_ids[end], p, seq.num_generated, seq.num_prompt_tokens,
+                   num_prompt_logprobs=len(seq.prompt_logprobs),
+                   stop_ids=seq.stop_ids if seq.num_generated < p.min_tokens else [],
+                   prompt_ids=seq.token_ids[:seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else [],
+                   output_ids=seq.generated_ids if p.has_penalties else [])
 
 
 @dataclass
 class StepBatch:
+    """What every rank needs of one step: host values only, so it pickles small for the
+    tensor-parallel workers (at -tp 1 the in-process ModelRunner takes the same object)."""
     seqs: list[SeqStep]
     # requests finished since the previous step: the runner drops their state (seeded generators)
     finished_request_ids: list[str] = field(default_factory=list)
 
     @classmethod
     def from_scheduled(cls, batch: ScheduledBatch, finished_request_ids: list[str]) -> "StepBatch":
-        seqs = []
-        for item in batch.seqs:
-            seq = item.seq
-            c, n = seq.num_computed_tokens, item.num_new_tokens
-            # the lists are the sequence's own (no copies): the runner reads them before the scheduler moves on
-            seqs.append(SeqStep(seq.request_id, seq.token_ids[c:c + n], item.spec_token_ids, c, seq.block_table,
-                                item.samples, None if item.samples else seq.token_ids[c + n], seq.params,
-                                seq.num_generated))
-        return cls(seqs, list(finished_request_ids))
+        # the block tables are the sequences' own lists (no copies): the runner reads them before
+        # the scheduler moves on, and pickling copies them for workers
+        return cls([SeqStep.of(item.seq, item.num_new_tokens, item.spec_token_ids, item.samples)
+                    for item in batch.seqs], list(finished_request_ids))
 
 
 @dataclass

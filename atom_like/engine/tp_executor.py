@@ -47,6 +47,7 @@ from atom_like.config import EngineArgs, load_model_config, resolve_device, text
 from atom_like.engine.model_runner import ModelRunner, ProposerFactory
 from atom_like.engine.scheduler import SeqStepResult
 from atom_like.engine.step_inputs import StepBatch
+from atom_like.loader.quark import checkpoint_quantizer
 from atom_like.loader.weights import check_tp_slices
 from atom_like.models.registry import build_model, draft_model_class, target_model_class
 from model_ops import tp
@@ -112,18 +113,20 @@ def check_tensor_parallel(args: EngineArgs, hf_config: PretrainedConfig, dtype: 
                          f"{torch.cuda.device_count()}")
     meta = torch.device("meta")
     with tp.tp_state(0, n):
-        for what, path, config, cls in _models(args, hf_config):
+        for what, path, config, cls, quantize in _models(args, hf_config):
             try:
-                check_tp_slices(build_model(cls, config, dtype, meta))
+                check_tp_slices(build_model(cls, config, dtype, meta, quantize=quantize))
             except ValueError as exc:
-                raise ValueError(f"--tensor-parallel-size {n} cannot split the {what} {path}: {exc}") from exc
+                raise ValueError(f"the {what} {path} at --tensor-parallel-size {n}: {exc}") from exc
 
 
 def _models(args: EngineArgs, hf_config: PretrainedConfig):
-    yield "model", args.model, text_config(hf_config), target_model_class(hf_config)
+    """(what, path, config, class, quantize) of each model a rank builds, as ModelRunner builds them."""
+    yield ("model", args.model, text_config(hf_config), target_model_class(hf_config),
+           checkpoint_quantizer(hf_config, args.mxfp4_activations))
     if args.method == "eagle3":
         config = load_model_config(args.draft_model, args.trust_remote_code)
-        yield "draft", args.draft_model, config, draft_model_class(config)
+        yield "draft", args.draft_model, config, draft_model_class(config), None
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -384,13 +387,18 @@ class TorchrunExecutor:
 
 
 def _release_torchrun_ranks(control: dist.ProcessGroup) -> None:
-    dist.broadcast_object_list([None], src=0, group=control)
-    dist.destroy_process_group()
+    """Tell the other ranks to exit; never raises (a rank already gone is torchrun's agent's to stop)."""
+    try:
+        dist.broadcast_object_list([None], src=0, group=control)
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - shutdown path: report, do not mask what ended the server
+        logger.warning("tensor parallel: could not release the other torchrun ranks (%s)", exc)
 
 
 def serve_torchrun_rank(rank: int, local_rank: int, args: EngineArgs, dtype: torch.dtype, max_model_len: int,
                         proposer_factory: ProposerFactory | None) -> None:
     """A torchrun rank > 0: run every step rank 0 broadcasts until it sends None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 shuts down, then releases us
     device, control = _torchrun_rank(rank, local_rank, args)
     runner = _rank_runner(args, device, dtype, max_model_len, proposer_factory)
     _log_ranks([_info(runner)])

@@ -6,6 +6,13 @@ between engine steps, steps the engine while it has work and sleeps on the queue
 none. Results go back to each HTTP request's asyncio.Queue (its "sink") through
 `loop.call_soon_threadsafe`, one call per step for all requests.
 
+Fair admission: an admitted submit's requests wait here, not in the engine's queue, and are
+handed to the engine round-robin across submits, only as many as the scheduler can start in
+its next step (so the engine's waiting queue holds at most max(1, max_num_seqs - running)
+sequences). A request with 2,000 prompts therefore takes turns with a one-prompt request sent
+after it instead of queueing all 2,000 ahead of it: the small one enters the engine after at most
+one more of the big one's sequences, and starts after at most max_num_seqs + 1 of them.
+
 What a sink receives, in order: `Admitted` or `Rejected` (the answer to the submit), then
 `(index, RequestOutput)` for every step that changed request `index` of the submit, the last one
 finished; or `Failed` when the engine broke while running it. An exception inside the engine
@@ -18,7 +25,8 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from atom_like.engine.sequence import SequenceStatus
 from atom_like.entrypoints.metrics import EngineState, ServerMetrics, StatsLogger
@@ -77,8 +85,16 @@ class _Live:
     index: int
     arrival: float
     num_prompt_tokens: int
+    in_engine: bool = False  # else still waiting for its turn in `_pending`
     first_token_time: float | None = None
     num_generated: int = 0
+
+
+@dataclass
+class _Pending:
+    """An admitted submit's requests not yet handed to the engine."""
+    sink: asyncio.Queue
+    requests: deque[EngineRequest] = field(default_factory=deque)
 
 
 class EngineLoop:
@@ -89,6 +105,7 @@ class EngineLoop:
         self.warmup_error: str | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
+        self._pending: deque[_Pending] = deque()  # round-robin order
         self._warm = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -120,14 +137,15 @@ class EngineLoop:
 
     def _run(self) -> None:
         self._warm_up()
-        self.metrics.update(EngineState.read(self.engine))
+        self.metrics.update(self._state())
         while True:
             try:
-                if not self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                if not self._apply_commands(block=not self._has_work()):
                     return
+                self._feed()
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self.stats.maybe_log(time.monotonic(), EngineState.read(self.engine))
+                self.stats.maybe_log(time.monotonic(), self._state())
             except Exception:  # a bug in this loop itself: log it, keep the server alive
                 logger.exception("engine loop error")
 
@@ -168,35 +186,72 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-        self.metrics.update(EngineState.read(self.engine))
+        self.metrics.update(self._state())
         self._deliver(deliveries)
         return command is not _STOP
 
+    def _has_work(self) -> bool:
+        return bool(self._pending) or self.engine.has_unfinished_requests()
+
+    def _state(self) -> EngineState:
+        return EngineState.read(self.engine, num_pending=sum(len(p.requests) for p in self._pending))
+
     def _admit(self, command: _Submit) -> SinkItem:
         """All or nothing: a batch with one bad prompt queues none of its prompts."""
-        added = []
         try:
             for r in command.requests:
-                self.engine.add_request(r.prompt, r.params, r.request_id, prompt_ids=r.prompt_ids)
-                added.append(r.request_id)
-        except Exception as exc:
-            for request_id in added:
-                self.engine.abort_request(request_id)
-            if isinstance(exc, ValueError):
-                return Rejected(str(exc))
-            logger.exception("engine add_request failed")
-            return Failed(f"the engine could not queue the request ({type(exc).__name__}: {exc})")
+                self.engine.validate(r.prompt_ids, r.params)
+                if r.request_id in self._live or r.request_id in self.engine.requests:
+                    raise ValueError(f"request id {r.request_id!r} is already in use")
+        except ValueError as exc:
+            return Rejected(str(exc))
         for index, r in enumerate(command.requests):
             self._live[r.request_id] = _Live(command.sink, index, command.arrival, len(r.prompt_ids))
+        self._pending.append(_Pending(command.sink, deque(command.requests)))
         return Admitted()
+
+    def _feed(self) -> None:
+        """Hand pending requests to the engine, one per submit in turn, while the scheduler could
+        start more sequences in its next step than it has waiting."""
+        scheduler = self.engine.scheduler
+        deliveries: list[tuple[asyncio.Queue, SinkItem]] = []
+        while self._pending and len(scheduler.waiting) < max(1, scheduler.max_num_seqs - len(scheduler.running)):
+            pending = self._pending.popleft()
+            r = pending.requests.popleft()
+            if pending.requests:
+                self._pending.append(pending)
+            try:
+                self.engine.add_request(r.prompt, r.params, r.request_id, prompt_ids=r.prompt_ids)
+                self._live[r.request_id].in_engine = True
+            except Exception as exc:  # validated at admission: a bug, fail this submit's requests
+                logger.exception("engine add_request failed")
+                deliveries += self._fail([r.request_id] + [x.request_id for x in pending.requests],
+                                         f"the engine could not queue the request ({type(exc).__name__}: {exc})")
+        self._deliver(deliveries)
 
     def _abort(self, request_ids: list[str]) -> None:
         now = time.monotonic()
+        for live in self._remove(request_ids):
+            self._finished(live, "abort", now)
+
+    def _remove(self, request_ids: list[str]) -> list[_Live]:
+        """Take live requests out of the engine or the pending queue (ids that already finished
+        are skipped); returns their bookkeeping."""
+        removed, not_fed = [], set()
         for request_id in request_ids:
             live = self._live.pop(request_id, None)
-            if live is not None:  # else it finished before the abort arrived
+            if live is None:
+                continue
+            removed.append(live)
+            if live.in_engine:
                 self.engine.abort_request(request_id)
-                self._finished(live, "abort", now)
+            else:
+                not_fed.add(request_id)
+        if not_fed:
+            for pending in self._pending:
+                pending.requests = deque(r for r in pending.requests if r.request_id not in not_fed)
+            self._pending = deque(p for p in self._pending if p.requests)
+        return removed
 
     def _step(self) -> None:
         try:
@@ -221,22 +276,24 @@ class EngineLoop:
                 del self._live[out.request_id]
                 self._finished(live, out.finish_reason, now)
             deliveries.append((live.sink, (live.index, out)))
-        self.metrics.update(EngineState.read(self.engine))
+        self.metrics.update(self._state())
         self._deliver(deliveries)
 
     def _fail_running(self, message: str) -> None:
         """Abort the requests the failed step may have touched: all but those still waiting (a
         waiting request was not in the batch, so its state is intact). When no request was
         running, the fault is not tied to a batch and would recur on every step: fail them all."""
+        touched = [request_id for request_id, live in self._live.items()
+                   if live.in_engine and not self._is_waiting(request_id)]
+        self._deliver(self._fail(touched or list(self._live), message))
+
+    def _fail(self, request_ids: list[str], message: str) -> list[tuple[asyncio.Queue, SinkItem]]:
         now = time.monotonic()
-        touched = [request_id for request_id in self._live if not self._is_waiting(request_id)]
         deliveries: list[tuple[asyncio.Queue, SinkItem]] = []
-        for request_id in touched or list(self._live):
-            live = self._live.pop(request_id)
-            self.engine.abort_request(request_id)
+        for live in self._remove(request_ids):
             self._finished(live, "error", now)
             deliveries.append((live.sink, Failed(message)))
-        self._deliver(deliveries)
+        return deliveries
 
     def _is_waiting(self, request_id: str) -> bool:
         request = self.engine.requests.get(request_id)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from atom_like.cli import EXIT_BAD_INPUT
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -38,6 +40,8 @@ class LaunchedServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if self.process.returncode == EXIT_BAD_INPUT:  # it refused its input, saying why on its last line
+                    raise ServerLaunchError(f"the server refused to start: {self.last_line()}")
                 raise ServerLaunchError(f"the server exited with code {self.process.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
@@ -46,6 +50,10 @@ class LaunchedServer:
                 pass  # not listening yet
             time.sleep(0.2)
         raise ServerLaunchError(f"the server was not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def last_line(self) -> str:
+        lines = self.log_tail().strip().splitlines()
+        return lines[-1] if lines else "(no output)"
 
     def log_tail(self, chars: int = 4000) -> str:
         self._log.flush()

@@ -5,9 +5,9 @@ handler may read them at any time). Speculation numbers come from `scheduler.spe
 cumulative counts become Prometheus counters by adding what changed since the last update.
 Names follow vLLM's (`vllm:` -> `atom_like:`) so existing dashboards need only the prefix changed.
 
-Clients (the serving benchmark, the GSM8K job) read speculation counters back with
-`SpecSnapshot.scrape`; subtracting the snapshot taken before a run from the one after gives
-numbers for that run alone.
+Clients (the serving benchmark, the GSM8K job) read counters back with `scrape_metrics` and the
+`parse` of `SpecSnapshot`, `PrefixCacheSnapshot` and `HistogramSnapshot`; subtracting the
+snapshot taken before a run from the one after gives numbers for that run alone.
 """
 from __future__ import annotations
 
@@ -45,14 +45,21 @@ class EngineState:
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_histogram: list[int]  # drafts with exactly n accepted, n = 0..k
+    prefix_cache_queries: int = 0  # tokens of admitted requests (0 while prefix caching is off)
+    prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
 
     @classmethod
-    def read(cls, engine) -> "EngineState":
+    def read(cls, engine, num_pending: int = 0) -> "EngineState":
+        """`num_pending`: admitted requests the server has not handed to the engine yet (they wait too)."""
         scheduler, blocks = engine.scheduler, engine.block_manager
         spec = scheduler.spec_stats
-        return cls(len(scheduler.running), len(scheduler.waiting), blocks.num_free_blocks, blocks.num_blocks,
+        return cls(len(scheduler.running), len(scheduler.waiting) + num_pending, blocks.num_free_blocks, blocks.num_blocks,
                    scheduler.num_preemptions, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                   list(spec.accepted_histogram))
+                   list(spec.accepted_histogram), blocks.num_query_tokens, blocks.num_hit_tokens)
+
+    @property
+    def prefix_cache(self) -> "PrefixCacheSnapshot":
+        return PrefixCacheSnapshot(self.prefix_cache_queries, self.prefix_cache_hits)
 
     @property
     def kv_usage(self) -> float:
@@ -73,18 +80,23 @@ class ServerMetrics:
         self.requests = Counter(f"{p}request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r)
         for reason in FINISH_REASONS:
             self.requests.labels(reason)  # export zeros, so a missing series is never mistaken for a bug
-        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of requests that reached their first token.", registry=r)
-        self.generation_tokens = Counter(f"{p}generation_tokens", "Generated tokens delivered to clients.", registry=r)
+        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of (engine) requests that reached their first token; n choices count n times.", registry=r)
+        self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens generated, for every request including those later aborted.", registry=r)
         self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Arrival to first generated token.", buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(f"{p}time_per_output_token_seconds", "Mean time per generated token after the first, per request.",
                               buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "Arrival to last token.", buckets=E2E_BUCKETS, registry=r)
         self.running = Gauge(f"{p}num_requests_running", "Requests in the running batch.", registry=r)
-        self.waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for admission (including preempted ones).", registry=r)
+        self.waiting = Gauge(f"{p}num_requests_waiting", "Requests waiting: queued in the scheduler (preempted ones included) or admitted and awaiting their round-robin turn.", registry=r)
         self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", registry=r)
         self.kv_free_blocks = Gauge(f"{p}kv_cache_free_blocks", "Free KV-cache blocks.", registry=r)
         self.kv_total_blocks = Gauge(f"{p}kv_cache_total_blocks", "KV-cache blocks in the pool.", registry=r)
         self.preemptions = Counter(f"{p}num_preemptions", "Sequences preempted for lack of KV blocks.", registry=r)
+        self.prefix_queries = Counter(f"{p}prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter(f"{p}prefix_cache_hits", "Tokens found in the prefix cache (not recomputed).", registry=r)
+        self.prefix_hit_rate = Gauge(f"{p}prefix_cache_hit_rate", "Prefix-cache hits / queries in tokens since start.",
+                                     registry=r)
         self.spec_k = Gauge(f"{p}spec_decode_num_speculative_tokens", "Draft tokens per step (0: speculation off).", registry=r)
         self.spec_drafts = Counter(f"{p}spec_decode_num_drafts", "Verified drafts (one per sequence per step).", registry=r)
         self.spec_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "Verified draft tokens.", registry=r)
@@ -132,6 +144,11 @@ class ServerMetrics:
         self.kv_total_blocks.set(state.num_blocks)
         last, self._last = self._last, state
         self.preemptions.inc(state.num_preemptions - (last.num_preemptions if last else 0))
+        cache = state.prefix_cache
+        new_cache = cache.minus(last.prefix_cache) if last else cache
+        self.prefix_queries.inc(new_cache.queries)
+        self.prefix_hits.inc(new_cache.hits)
+        self.prefix_hit_rate.set(cache.hit_rate)
         spec = state.spec
         new = spec.minus(last.spec) if last else spec
         if not new.num_drafts:
@@ -169,6 +186,8 @@ class StatsLogger:
         line = (f"prompt throughput {prompt / elapsed:.1f} tokens/s, generation throughput {generation / elapsed:.1f} tokens/s, "
                 f"running {state.num_running} reqs, waiting {state.num_waiting} reqs, KV cache usage {state.kv_usage:.1%} "
                 f"({state.num_blocks - state.num_free_blocks}/{state.num_blocks} blocks)")
+        if state.prefix_cache_queries:
+            line += f"; since start, {state.prefix_cache.describe()}"
         if state.spec.num_speculative_tokens:
             line += f"; since start, {state.spec.describe()}"
         logger.info(line)
@@ -209,8 +228,94 @@ class SpecSnapshot(SpecCounts):
 
     @classmethod
     def scrape(cls, base_url: str, timeout: float = 10.0) -> "SpecSnapshot":
-        import httpx  # clients only; the server never imports it
+        return cls.parse(scrape_metrics(base_url, timeout))
 
-        response = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=timeout)
-        response.raise_for_status()
-        return cls.parse(response.text)
+
+def scrape_metrics(base_url: str, timeout: float = 10.0) -> str:
+    """A server's /metrics page."""
+    import httpx  # clients only; the server never imports it
+
+    response = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=timeout)
+    response.raise_for_status()
+    return response.text
+
+
+def _samples(metrics_text: str) -> dict[str, float]:
+    """Unlabelled samples by name (labelled ones are left out)."""
+    return {sample.name: sample.value for family in text_string_to_metric_families(metrics_text)
+            for sample in family.samples if not sample.labels}
+
+
+@dataclass
+class PrefixCacheSnapshot:
+    """Prefix-cache counters in tokens: looked up (every token of an admitted request) and hit."""
+    queries: float = 0.0
+    hits: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def minus(self, before: "PrefixCacheSnapshot") -> "PrefixCacheSnapshot":
+        return PrefixCacheSnapshot(self.queries - before.queries, self.hits - before.hits)
+
+    def describe(self) -> str:
+        return f"prefix cache hit rate {self.hit_rate:.1%} ({self.hits:.0f}/{self.queries:.0f} prompt tokens)"
+
+    def as_dict(self) -> dict:
+        return {"queries": self.queries, "hits": self.hits, "hit_rate": self.hit_rate}
+
+    @classmethod
+    def parse(cls, metrics_text: str) -> "PrefixCacheSnapshot":
+        values = _samples(metrics_text)
+        return cls(values.get(f"{PREFIX}prefix_cache_queries_total", 0.0), values.get(f"{PREFIX}prefix_cache_hits_total", 0.0))
+
+
+@dataclass
+class HistogramSnapshot:
+    """One Prometheus histogram read off a /metrics page: cumulative counts per upper bound."""
+    bounds: list[float]
+    cumulative: list[float]
+    sum: float = 0.0
+    count: float = 0.0
+
+    @property
+    def mean(self) -> float:
+        return self.sum / self.count if self.count else 0.0
+
+    def quantile(self, q: float) -> float:
+        """Prometheus' histogram_quantile: linear within the bucket the rank falls in (so only
+        as fine as the buckets; the +Inf bucket answers with the largest finite bound)."""
+        if not self.count:
+            return 0.0
+        rank = q * self.count
+        lower, below = 0.0, 0.0
+        for bound, cumulative in zip(self.bounds, self.cumulative):
+            if cumulative >= rank:
+                if bound == float("inf"):
+                    return lower
+                return lower + (bound - lower) * (rank - below) / (cumulative - below) if cumulative > below else bound
+            lower, below = bound, cumulative
+        return lower
+
+    def minus(self, before: "HistogramSnapshot") -> "HistogramSnapshot":
+        if before.bounds != self.bounds:
+            raise ValueError("histogram buckets changed between snapshots")
+        return HistogramSnapshot(self.bounds, [a - b for a, b in zip(self.cumulative, before.cumulative)],
+                                 self.sum - before.sum, self.count - before.count)
+
+    @classmethod
+    def parse(cls, metrics_text: str, name: str) -> "HistogramSnapshot":
+        """`name` without the prefix, e.g. "time_to_first_token_seconds"; empty when absent."""
+        buckets: dict[float, float] = {}
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(metrics_text):
+            if family.name != f"{PREFIX}{name}":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    buckets[float(sample.labels["le"])] = sample.value
+                else:
+                    values[sample.name.removeprefix(f"{PREFIX}{name}")] = sample.value
+        bounds = sorted(buckets)
+        return cls(bounds, [buckets[b] for b in bounds], values.get("_sum", 0.0), values.get("_count", 0.0))

@@ -1,48 +1,35 @@
-"""/v1/completions and /v1/chat/completions: turn a request body into engine requests, and
-engine outputs into OpenAI responses (whole, or streamed as server-sent events).
+"""/v1/completions and /v1/chat/completions: queue a request's engine requests, and turn engine
+outputs into OpenAI responses (whole, or streamed as server-sent events).
 
-Runs on the event loop. Tokenization happens here with the server's own copy of the tokenizer,
-so the engine thread (which detokenizes) never shares the Rust tokenizer object with us.
+Tokenization, chat templates and detokenization of logprobs run on the tokenizer pool's worker
+threads (see tokenization.py), never on the event loop; so does building a whole response,
+which for `echo` with logprobs can mean a token text per prompt position.
 """
 from __future__ import annotations
 
 import asyncio
-import uuid
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from atom_like.entrypoints.engine_loop import Admitted, EngineLoop, EngineRequest, Failed, Rejected
+from atom_like.entrypoints.engine_requests import (Plan, RequestBuilder, chat_max_tokens, chat_prompt,
+                                                   completion_max_tokens, completion_prompts)
+from atom_like.entrypoints.errors import OpenAIError, engine_failure, internal_error
 from atom_like.entrypoints.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                             ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice,
                                             CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
-                                            ErrorInfo, ErrorResponse, SamplingFields, TokenLogprob, TopLogprob,
-                                            UsageInfo)
-from atom_like.sampling_params import RequestOutput, SamplingParams, TokenLogprobs
+                                            ErrorResponse, TokenLogprob, TopLogprob, UsageInfo)
+from atom_like.entrypoints.tokenization import TokenizerPool
+from atom_like.sampling_params import RequestOutput, TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 # JSON has no -inf; OpenAI and vLLM report impossible tokens with a large negative number instead.
 MIN_LOGPROB = -9999.0
-
-
-class OpenAIError(Exception):
-    """An error the client gets as an OpenAI-style JSON body."""
-
-    def __init__(self, status_code: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status_code = status_code
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status_code)
-
-
-def engine_failure(message: str) -> OpenAIError:
-    # 503, not 500: the server is healthy and keeps serving; this request hit an engine fault.
-    return OpenAIError(503, message, type="server_error", code="engine_error")
 
 
 class _ClientGone(Exception):
@@ -53,12 +40,14 @@ class _Generation:
     """The engine requests behind one HTTP request, and their outputs as they arrive.
 
     Watches the connection while it lives: when the client goes away, its requests are aborted
-    in the engine (so their KV blocks return to the pool) and the consumer is woken up."""
+    in the engine (so their KV blocks return to the pool), which is logged with the request id,
+    and the consumer is woken up."""
 
     def __init__(self, engine_loop: EngineLoop, raw_request: Request, requests: list[EngineRequest]):
         self.engine_loop, self.raw_request, self.requests = engine_loop, raw_request, requests
         self.sink: asyncio.Queue = asyncio.Queue()
         self.finished: set[int] = set()
+        self._aborted = False
         self._watcher: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -100,18 +89,21 @@ class _Generation:
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
-        self._abort_unfinished()
+        self._abort_unfinished("the response ended before its sequences did")
 
-    def _abort_unfinished(self) -> None:
+    def _abort_unfinished(self, why: str) -> None:
         unfinished = [r.request_id for i, r in enumerate(self.requests) if i not in self.finished]
-        if unfinished:
+        if unfinished and not self._aborted:
+            self._aborted = True
+            logger.info("request %s: %s; aborting %d unfinished sequence(s) (%s)", self.raw_request.state.request_id,
+                        why, len(unfinished), ", ".join(unfinished[:4]) + (", ..." if len(unfinished) > 4 else ""))
             self.engine_loop.abort(unfinished)
 
     async def _watch_disconnect(self) -> None:
         # The body is already read, so the next ASGI message can only be the disconnect.
         while (await self.raw_request.receive())["type"] != "http.disconnect":
             pass
-        self._abort_unfinished()
+        self._abort_unfinished("the client disconnected")
         self.sink.put_nowait(_ClientGone())
 
 
@@ -125,224 +117,220 @@ def _sse(payload: BaseModel) -> str:
 
 
 async def _guarded(generation: _Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Every stream's ending: an engine-side error becomes an error event, a client that left
-    stops the stream, and the generation is closed (its requests aborted if unfinished) however
-    the stream ends."""
+    """Every stream's ending: an error becomes an error event (our own bugs logged with the
+    request id), a client that left stops the stream, and the generation is closed (its requests
+    aborted if unfinished) however the stream ends."""
     try:
         async for event in events:
             yield event
-    except OpenAIError as exc:
-        yield _sse(ErrorResponse(error=exc.info))
-        yield "data: [DONE]\n\n"
     except _ClientGone:
         return
+    except Exception as exc:
+        if not isinstance(exc, OpenAIError):
+            request_id = generation.raw_request.state.request_id
+            logger.exception("request %s: internal error while streaming", request_id)
+            exc = internal_error(request_id)
+        yield _sse(ErrorResponse(error=exc.info))
+        yield "data: [DONE]\n\n"
     finally:
         generation.close()
 
 
 class OpenAIServing:
-    def __init__(self, engine_loop: EngineLoop, tokenizer, served_model_name: str, max_model_len: int,
-                 vocab_size: int):
-        self.engine_loop = engine_loop
-        self.tokenizer = tokenizer
-        self.served_model_name = served_model_name
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
+    def __init__(self, engine_loop: EngineLoop, tokenizers: TokenizerPool, builder: RequestBuilder):
+        self.engine_loop, self.tokenizers, self.builder = engine_loop, tokenizers, builder
+
+    @property
+    def served_model_name(self) -> str:
+        return self.builder.served_model_name
 
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, body: CompletionRequest, raw_request: Request) -> Response | BaseModel:
-        self._check_common(body)
-        if body.echo:
-            raise OpenAIError(400, "echo is not supported", "echo")
-        prompts = self._completion_prompts(body.prompt)
-        requests = self._engine_requests("cmpl", body, prompts, "prompt", body.max_tokens, body.logprobs)
+        single = isinstance(body.prompt, str) or not body.prompt or isinstance(body.prompt[0], int)
+        per_prompt = self.builder.check(body, 1 if single else len(body.prompt))
+        max_tokens = completion_max_tokens(body)
+        prompts = await self.tokenizers.run(completion_prompts, body.prompt, self.builder.vocab_size)
+        echo_logprobs = body.logprobs if body.echo else None
+        plan = self.builder.plan("cmpl", raw_request.state.request_id, body, prompts, per_prompt, "prompt",
+                                 max_tokens, body.logprobs, echo_logprobs)
 
-        def respond(outputs: list[RequestOutput]) -> CompletionResponse:
-            choices = [CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason,
-                                        logprobs=None if body.logprobs is None else self._completion_logprobs(out.logprobs, 0))
-                       for i, out in enumerate(outputs)]
-            return CompletionResponse(id=_base_id(requests), model=self.served_model_name, choices=choices,
-                                      usage=_usage(outputs))
+        def respond(tokenizer, outputs: list[RequestOutput]) -> CompletionResponse:
+            choices = []
+            for index, out in _best(plan, outputs):
+                text, logprobs = out.text, None
+                if body.echo:
+                    text = _prompt_text(tokenizer, out) + text
+                if body.logprobs is not None:
+                    logprobs = _completion_logprobs(tokenizer, _scored(out, body.echo, 0), 0)
+                choices.append(CompletionChoice(index=index, text=text, finish_reason=out.finish_reason,
+                                                logprobs=logprobs))
+            return CompletionResponse(id=_base_id(plan), model=self.served_model_name, choices=choices,
+                                      usage=_usage(plan, [out for _, out in _best(plan, outputs)]))
 
-        return await self._generate(requests, raw_request, respond,
-                                    (lambda g: self._stream_completion(g, body)) if body.stream else None)
+        return await self._generate(plan, raw_request, respond,
+                                    (lambda g: self._stream_completion(g, body, plan)) if body.stream else None)
 
     async def chat(self, body: ChatCompletionRequest, raw_request: Request) -> Response | BaseModel:
-        self._check_common(body)
+        per_prompt = self.builder.check(body, 1)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        prompt_ids = self._chat_prompt(body)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        max_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        max_tokens, max_param = chat_max_tokens(body)
+        prompts = await self.tokenizers.run(chat_prompt, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        requests = self._engine_requests("chatcmpl", body, [(None, prompt_ids)], "messages", max_tokens, logprobs,
-                                         max_param)
+        plan = self.builder.plan("chatcmpl", raw_request.state.request_id, body, prompts, per_prompt, "messages",
+                                 max_tokens, logprobs, max_param=max_param)
 
-        def respond(outputs: list[RequestOutput]) -> ChatCompletionResponse:
-            (out,) = outputs
-            choice = ChatChoice(index=0, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
-                                logprobs=ChatLogprobs(content=self._chat_logprobs(out.logprobs)) if body.logprobs else None)
-            return ChatCompletionResponse(id=_base_id(requests), model=self.served_model_name, choices=[choice],
-                                          usage=_usage(outputs))
+        def respond(tokenizer, outputs: list[RequestOutput]) -> ChatCompletionResponse:
+            choices = [ChatChoice(index=index, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
+                                  logprobs=ChatLogprobs(content=_chat_logprobs(tokenizer, out.logprobs)) if body.logprobs else None)
+                       for index, out in _best(plan, outputs)]
+            return ChatCompletionResponse(id=_base_id(plan), model=self.served_model_name, choices=choices,
+                                          usage=_usage(plan, outputs))
 
-        return await self._generate(requests, raw_request, respond,
-                                    (lambda g: self._stream_chat(g, body)) if body.stream else None)
+        return await self._generate(plan, raw_request, respond,
+                                    (lambda g: self._stream_chat(g, body, plan)) if body.stream else None)
 
-    async def _generate(self, requests: list[EngineRequest], raw_request: Request,
-                        respond: Callable[[list[RequestOutput]], BaseModel],
+    async def _generate(self, plan: Plan, raw_request: Request,
+                        respond: Callable[..., BaseModel],
                         stream: Callable[[_Generation], AsyncIterator[str]] | None) -> Response | BaseModel:
         """Queue the requests; then stream their events, or wait for them and `respond`."""
-        generation = _Generation(self.engine_loop, raw_request, requests)
+        generation = _Generation(self.engine_loop, raw_request, plan.requests)
         try:
             await generation.start()
             if stream is not None:
                 return StreamingResponse(_guarded(generation, stream(generation)), media_type="text/event-stream")
             try:
-                return respond(await generation.final_outputs())
+                outputs = await generation.final_outputs()
             finally:
                 generation.close()
+            return await self.tokenizers.run(respond, outputs)
         except _ClientGone:
             return _client_gone()
 
-    # ------------------------------------------------------------------ request -> engine requests
-
-    def _check_common(self, body: SamplingFields) -> None:
-        if body.model is not None and body.model != self.served_model_name:
-            raise OpenAIError(400, f"model {body.model!r} is not served here; this server serves "
-                                   f"{self.served_model_name!r}", "model", code="model_not_found")
-        if body.n != 1:
-            raise OpenAIError(400, f"n={body.n} is not supported: only one choice per prompt (n=1)", "n")
-
-    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
-        """(text or None, token ids) per prompt."""
-        single = isinstance(prompt, str) or not prompt or isinstance(prompt[0], int)  # else a batch
-        if single:
-            prompt = [prompt]
-        result = []
-        for p in prompt:
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise OpenAIError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
-                result.append((p, self.tokenizer(p).input_ids))
-            else:
-                if any(not 0 <= t < self.vocab_size for t in p):
-                    raise OpenAIError(400, f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-                result.append((None, list(p)))
-        return result
-
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise OpenAIError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except TemplateError as exc:
-            raise OpenAIError(400, f"the chat template rejected the messages: {exc}", "messages") from exc
-        # The template already wrote any BOS it wants; tokenizing with special tokens would double it.
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
-    def _engine_requests(self, kind: str, body: SamplingFields, prompts: list[tuple[str | None, list[int]]],
-                         prompt_param: str, max_tokens: int | None, logprobs: int | None,
-                         max_param: str = "max_tokens") -> list[EngineRequest]:
-        base_id = f"{kind}-{uuid.uuid4().hex}"
-        requests = []
-        for i, (text, ids) in enumerate(prompts):
-            if not ids:
-                raise OpenAIError(400, "the prompt is empty", prompt_param)
-            if len(ids) >= self.max_model_len:
-                raise OpenAIError(400, f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} "
-                                       "tokens, which must also hold at least one generated token", prompt_param)
-            room = self.max_model_len - len(ids)
-            if max_tokens is not None and max_tokens > room:
-                raise OpenAIError(400, f"{max_param}={max_tokens} does not fit: the prompt has {len(ids)} tokens and "
-                                       f"the context is {self.max_model_len}, so at most {room} can be generated",
-                                  max_param)
-            try:
-                params = SamplingParams(
-                    temperature=1.0 if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p,
-                    top_k=-1 if body.top_k in (None, 0) else body.top_k,
-                    max_tokens=room if max_tokens is None else max_tokens,
-                    ignore_eos=body.ignore_eos, stop=body.stop, stop_token_ids=body.stop_token_ids, seed=body.seed,
-                    logprobs=logprobs)
-            except ValueError as exc:  # pydantic checked the ranges; this is a backstop
-                raise OpenAIError(400, str(exc)) from exc
-            request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            requests.append(EngineRequest(request_id, text, ids, params))
-        return requests
-
     # ------------------------------------------------------------------ streaming
 
-    async def _stream_completion(self, generation: _Generation, body: CompletionRequest) -> AsyncIterator[str]:
+    async def _stream_completion(self, generation: _Generation, body: CompletionRequest, plan: Plan) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        request_id = _base_id(generation.requests)
-        text = _TextDeltas(body.stop, len(generation.requests))
-        sent_tokens = [0] * len(generation.requests)
-        token_text_offset = [0] * len(generation.requests)  # for logprobs.text_offset
+        request_id = _base_id(plan)
+        text = _TextDeltas(body.stop, len(plan.requests))
+        sent_tokens = [0] * len(plan.requests)
+        token_text_offset = [0] * len(plan.requests)  # for logprobs.text_offset
+        started: set[int] = set()
         final: list[RequestOutput] = []
-        async for index, out in generation.outputs():
-            delta = text.delta(index, out)
-            logprobs = None
-            if body.logprobs is not None and out.logprobs is not None:
-                logprobs = self._completion_logprobs(out.logprobs[sent_tokens[index]:], token_text_offset[index])
+
+        def chunk(tokenizer, index: int, out: RequestOutput) -> str | None:
+            delta, logprobs = text.delta(index, out), None
+            echo = body.echo and index not in started  # the first chunk of a choice carries the prompt
+            started.add(index)
+            if echo:
+                delta = _prompt_text(tokenizer, out) + delta
+            scored = _scored(out, echo, sent_tokens[index]) if out.logprobs is not None else []
+            if body.logprobs is not None:
+                logprobs = _completion_logprobs(tokenizer, scored, token_text_offset[index])
                 token_text_offset[index] += sum(len(t) for t in logprobs.tokens)
             sent_tokens[index] = len(out.token_ids)
-            if delta or out.finished or (logprobs and logprobs.tokens):
-                choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=out.finish_reason)
-                yield _sse(CompletionResponse(id=request_id, model=self.served_model_name, choices=[choice]))
+            if not (delta or out.finished or (logprobs and logprobs.tokens)):
+                return None
+            choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=out.finish_reason)
+            return _sse(CompletionResponse(id=request_id, model=self.served_model_name, choices=[choice]))
+
+        async for index, out in generation.outputs():
+            event = await self.tokenizers.run(chunk, index, out)
+            if event is not None:
+                yield event
             if out.finished:
                 final.append(out)
         if include_usage:
-            yield _sse(CompletionResponse(id=request_id, model=self.served_model_name, choices=[], usage=_usage(final)))
+            yield _sse(CompletionResponse(id=request_id, model=self.served_model_name, choices=[],
+                                          usage=_usage(plan, final)))
         yield "data: [DONE]\n\n"
 
-    async def _stream_chat(self, generation: _Generation, body: ChatCompletionRequest) -> AsyncIterator[str]:
+    async def _stream_chat(self, generation: _Generation, body: ChatCompletionRequest, plan: Plan) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        request_id = _base_id(generation.requests)
-        text = _TextDeltas(body.stop, 1)
-        sent_tokens = 0
+        request_id = _base_id(plan)
+        text = _TextDeltas(body.stop, len(plan.requests))
+        sent_tokens = [0] * len(plan.requests)
+        final: list[RequestOutput] = []
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return _sse(ChatCompletionChunk(id=request_id, model=self.served_model_name, choices=choices, usage=usage))
 
-        yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
-        async for _, out in generation.outputs():
-            delta = text.delta(0, out)
-            logprobs = None
+        def delta_chunk(tokenizer, index: int, out: RequestOutput) -> str | None:
+            delta, logprobs = text.delta(index, out), None
             if body.logprobs and out.logprobs is not None:
-                logprobs = ChatLogprobs(content=self._chat_logprobs(out.logprobs[sent_tokens:]))
-            sent_tokens = len(out.token_ids)
-            if delta or out.finished or (logprobs and logprobs.content):
-                yield chunk([ChatStreamChoice(index=0, delta=DeltaMessage(content=delta), logprobs=logprobs,
-                                              finish_reason=out.finish_reason)])
-            if out.finished and include_usage:
-                yield chunk([], _usage([out]))
+                logprobs = ChatLogprobs(content=_chat_logprobs(tokenizer, out.logprobs[sent_tokens[index]:]))
+            sent_tokens[index] = len(out.token_ids)
+            if not (delta or out.finished or (logprobs and logprobs.content)):
+                return None
+            return chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=delta), logprobs=logprobs,
+                                           finish_reason=out.finish_reason)])
+
+        for index in range(len(plan.requests)):
+            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        async for index, out in generation.outputs():
+            event = await self.tokenizers.run(delta_chunk, index, out)
+            if event is not None:
+                yield event
+            if out.finished:
+                final.append(out)
+        if include_usage:
+            yield chunk([], _usage(plan, final))
         yield "data: [DONE]\n\n"
 
-    # ------------------------------------------------------------------ logprobs
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+# ----------------------------------------------------------------------------- choices, text, logprobs
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprobs], text_offset: int) -> CompletionLogprobs:
-        result = CompletionLogprobs()
-        for lp in logprobs:
-            token = self._token_text(lp.token_id)
-            result.tokens.append(token)
-            result.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
-            result.top_logprobs.append({self._token_text(t): max(v, MIN_LOGPROB) for t, v in lp.top.items()})
-            result.text_offset.append(text_offset)
-            text_offset += len(token)
-        return result
+def _best(plan: Plan, outputs: list[RequestOutput]) -> list[tuple[int, RequestOutput]]:
+    """(choice index, output): per prompt, all its sequences, or with best_of > n the n whose
+    generated tokens have the highest cumulative logprob."""
+    chosen = []
+    for p in range(len(plan.prompts)):
+        group = outputs[p * plan.per_prompt:(p + 1) * plan.per_prompt]
+        if plan.per_prompt > plan.n:
+            group = sorted(group, key=lambda o: -sum(lp.logprob for lp in o.logprobs))[:plan.n]
+        chosen += [(p * plan.n + j, out) for j, out in enumerate(group)]
+    return chosen
 
-    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> list[TokenLogprob]:
-        def top(token_id: int, logprob: float) -> TopLogprob:
-            token = self._token_text(token_id)
-            return TopLogprob(token=token, logprob=max(logprob, MIN_LOGPROB), bytes=list(token.encode()))
 
-        return [TokenLogprob(**top(lp.token_id, lp.logprob).model_dump(),
-                             top_logprobs=[top(t, v) for t, v in lp.top.items()]) for lp in logprobs]
+def _prompt_text(tokenizer, out: RequestOutput) -> str:
+    if out.prompt is not None:
+        return out.prompt
+    return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def _scored(out: RequestOutput, echo: bool, start: int) -> list[tuple[int, TokenLogprobs | None]]:
+    """(token id, its logprobs) of the generated tokens from `start` on, after the prompt's with echo."""
+    prompt = list(zip(out.prompt_token_ids, out.prompt_logprobs or [])) if echo else []
+    return prompt + [(lp.token_id, lp) for lp in out.logprobs[start:]]
+
+
+def _completion_logprobs(tokenizer, scored: list[tuple[int, TokenLogprobs | None]], text_offset: int) -> CompletionLogprobs:
+    """A token without logprobs (the first prompt token under echo: nothing predicts it) gets
+    null ones, as in OpenAI's API."""
+    result = CompletionLogprobs()
+    for token_id, lp in scored:
+        token = _token_text(tokenizer, token_id)
+        result.tokens.append(token)
+        result.token_logprobs.append(None if lp is None else max(lp.logprob, MIN_LOGPROB))
+        result.top_logprobs.append(None if lp is None else {_token_text(tokenizer, t): max(v, MIN_LOGPROB)
+                                                           for t, v in lp.top.items()})
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+def _chat_logprobs(tokenizer, logprobs: list[TokenLogprobs]) -> list[TokenLogprob]:
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        token = _token_text(tokenizer, token_id)
+        return TopLogprob(token=token, logprob=max(logprob, MIN_LOGPROB), bytes=list(token.encode()))
+
+    return [TokenLogprob(**top(lp.token_id, lp.logprob).model_dump(),
+                         top_logprobs=[top(t, v) for t, v in lp.top.items()]) for lp in logprobs]
 
 
 class _TextDeltas:
@@ -362,12 +350,13 @@ class _TextDeltas:
         return delta
 
 
-def _base_id(requests: list[EngineRequest]) -> str:
-    rid = requests[0].request_id
-    return rid if len(requests) == 1 else rid.rsplit("-", 1)[0]
+def _base_id(plan: Plan) -> str:
+    rid = plan.requests[0].request_id
+    return rid if len(plan.requests) == 1 else rid.rsplit("-", 1)[0]
 
 
-def _usage(outputs: list[RequestOutput]) -> UsageInfo:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+def _usage(plan: Plan, outputs: list[RequestOutput]) -> UsageInfo:
+    """Each prompt counts once however many choices it has; completion tokens of every choice."""
+    prompt = sum(len(p.ids) for p in plan.prompts)
     completion = sum(len(o.token_ids) for o in outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

@@ -4,6 +4,7 @@ it, and gated on accuracy and speculative acceptance as ATOM's nightly CI gates 
     python -m atom_like.eval.gsm8k --entry smollm2-135m-eagle3            # starts the server
     python -m atom_like.eval.gsm8k --entry NAME --base-url http://HOST:PORT  # uses a running one
     python -m atom_like.eval.gsm8k --entry NAME -tp 2                       # the server on 2 GPUs
+    python -m atom_like.eval.gsm8k --entry NAME --server-args=--no-enable-prefix-caching  # a variant
     python -m atom_like.eval.gsm8k --list | --summarize REPORT.json ...
 
 Entries come from a catalog (ci/gsm8k_catalog.json): model, draft, extra server flags, shots,
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -36,9 +38,10 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from atom_like.cli import entry_point
 from atom_like.config import add_flag
 from atom_like.entrypoints.launch import LaunchedServer, ServerLaunchError
-from atom_like.entrypoints.metrics import SpecSnapshot
+from atom_like.entrypoints.metrics import HistogramSnapshot, PrefixCacheSnapshot, SpecSnapshot, scrape_metrics
 
 DEFAULT_CATALOG = Path(__file__).resolve().parents[2] / "ci" / "gsm8k_catalog.json"
 FEWSHOT_FILE = Path(__file__).resolve().parent / "data" / "gsm8k_train_fewshot.jsonl"
@@ -49,6 +52,7 @@ FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 IGNORED = [re.compile(r) for r in (",", r"\$", r"(?s).*#### ", r"\.$")]
 INVALID = "[invalid]"
 METRICS = ("strict-match", "flexible-extract")
+TTFT = "time_to_first_token_seconds"
 EXIT_PASSED, EXIT_THRESHOLD, EXIT_ERROR, EXIT_NO_HARDWARE = 0, 1, 2, 3
 
 
@@ -217,12 +221,15 @@ def evaluate(entry: CatalogEntry, base_url: str) -> dict:
     model = httpx.get(f"{base_url}/v1/models", timeout=30).raise_for_status().json()["data"][0]["id"]
     problems = load_problems(entry.limit)
     exemplars = load_exemplars(entry.num_fewshot)
-    before = SpecSnapshot.scrape(base_url)
+    before = scrape_metrics(base_url)
     start = time.perf_counter()
     outputs = asyncio.run(complete_all(base_url, model, [fewshot_prompt(p["question"], exemplars) for p in problems],
                                        entry.max_tokens, entry.concurrency))
     wall_time = time.perf_counter() - start
-    spec = SpecSnapshot.scrape(base_url).minus(before)
+    after = scrape_metrics(base_url)
+    spec = SpecSnapshot.parse(after).minus(SpecSnapshot.parse(before))
+    prefix_cache = PrefixCacheSnapshot.parse(after).minus(PrefixCacheSnapshot.parse(before))
+    ttft = HistogramSnapshot.parse(after, TTFT).minus(HistogramSnapshot.parse(before, TTFT))
 
     samples = []
     for problem, out in zip(problems, outputs):
@@ -237,7 +244,10 @@ def evaluate(entry: CatalogEntry, base_url: str) -> dict:
     return {
         "entry": asdict(entry), "base_url": base_url, "served_model": model, "num_problems": n,
         "accuracy": accuracy, "accuracy_stderr": {m: stderr_of_mean(a, n) for m, a in accuracy.items()},
-        "speculation": spec.as_dict(),
+        "speculation": spec.as_dict(), "prefix_cache": prefix_cache.as_dict(),
+        # the server's own arrival-to-first-token times (the requests are not streamed): the mean is
+        # exact, quantiles only as fine as the histogram's buckets
+        "ttft_ms": {"mean": ttft.mean * 1e3, "p50": ttft.quantile(0.5) * 1e3, "p99": ttft.quantile(0.99) * 1e3},
         "throughput": {"wall_time_s": wall_time, "output_tokens": output_tokens,
                        "output_tokens_per_s": output_tokens / wall_time, "requests_per_s": n / wall_time},
         "passed": not failures, "failures": failures, "samples": samples,
@@ -257,12 +267,20 @@ def run_entry(entry: CatalogEntry, base_url: str | None, log_path: Path, startup
 
 # ----------------------------------------------------------------------------- output
 
+def run_name(report: dict) -> str:
+    """The entry's name, followed by the extra server flags of the run if it had any."""
+    return report.get("run") or report["entry"]["name"]
+
+
 def summary_line(report: dict) -> str:
     spec, tp = report["speculation"], report["throughput"]
-    line = (f"{report['entry']['name']:<28} n={report['num_problems']:<5} "
+    line = (f"{run_name(report):<28} n={report['num_problems']:<5} "
             f"strict {report['accuracy']['strict-match']:.4f}  flexible {report['accuracy']['flexible-extract']:.4f}  ")
     line += (f"acceptance {spec['acceptance_rate']:.4f} (mean length {spec['mean_acceptance_length']:.2f})  "
              if spec["num_draft_tokens"] else "acceptance -  ")
+    cache = report.get("prefix_cache")
+    if cache and cache["queries"]:
+        line += f"prefix-cache hits {cache['hit_rate']:.1%}  "
     line += f"{tp['output_tokens_per_s']:.1f} tok/s  {tp['wall_time_s']:.1f} s  "
     return line + ("PASS" if report["passed"] else "FAIL: " + "; ".join(report["failures"]))
 
@@ -273,13 +291,30 @@ def agreement_line(report: dict, reference: dict) -> str:
     flip near-ties between batch shapes, so there the accuracy is what is compared."""
     pairs = list(zip(report["samples"], reference["samples"]))
     if len(pairs) != len(reference["samples"]) or any(a["question"] != b["question"] for a, b in pairs):
-        return f"{report['entry']['name']:<28} not comparable with {reference['entry']['name']} (other problems)"
+        return f"{run_name(report):<28} not comparable with {run_name(reference)} (other problems)"
     same_text = sum(a["completion"] == b["completion"] for a, b in pairs)
     same_answer = sum(a["extracted"] == b["extracted"] for a, b in pairs)
-    return (f"{report['entry']['name']:<28} vs {reference['entry']['name']}: same completion {same_text}/{len(pairs)}, "
+    return (f"{run_name(report):<28} vs {run_name(reference)}: same completion {same_text}/{len(pairs)}, "
             f"same extracted answers {same_answer}/{len(pairs)}")
 
 
+def comparison_table(reports: list[dict]) -> str:
+    """The runs side by side, as a markdown table (reports from before a field existed show -)."""
+    rows = ["| run | flexible-extract | strict-match | acceptance rate | mean acceptance length | prefix-cache hit rate "
+            "| TTFT mean / p50 / p99 (ms, server) | output tok/s | wall time (s) |", "|---" * 9 + "|"]
+    for r in reports:
+        spec, cache, ttft, tp = r["speculation"], r.get("prefix_cache"), r.get("ttft_ms"), r["throughput"]
+        drafted = spec["num_draft_tokens"]
+        rows.append(" | ".join([
+            f"| {run_name(r)}", f"{r['accuracy']['flexible-extract']:.4f}", f"{r['accuracy']['strict-match']:.4f}",
+            f"{spec['acceptance_rate']:.3f}" if drafted else "-", f"{spec['mean_acceptance_length']:.2f}" if drafted else "-",
+            f"{cache['hit_rate']:.1%} ({cache['hits']:.0f}/{cache['queries']:.0f})" if cache and cache["queries"] else "-",
+            f"{ttft['mean']:.1f} / {ttft['p50']:.1f} / {ttft['p99']:.1f}" if ttft else "-",
+            f"{tp['output_tokens_per_s']:.1f}", f"{tp['wall_time_s']:.1f} |"]))
+    return "\n".join(rows)
+
+
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flag(parser, "catalog", str, str(DEFAULT_CATALOG), "Catalog JSON.")
@@ -293,16 +328,21 @@ def main(argv: list[str] | None = None) -> int:
     add_flag(parser, "startup_timeout", float, 2700.0, "Seconds to wait for /health (ATOM's CI waits 45 min).")
     add_flag(parser, "force", bool, False, "Run an entry even if it requires hardware we do not have.")
     add_flag(parser, "list", bool, False, "List the catalog entries and exit.")
+    add_flag(parser, "server_args", str, None, "Extra server flags appended to the entry's, as one shell-quoted "
+             "string after '=' (--server-args=\"--no-enable-prefix-caching --seed 1\"); the run is named after them.")
     parser.add_argument("--summarize", nargs="+", metavar="REPORT",
-                        help="Print one line per report (and how each agrees with the first) and exit.")
+                        help="Print one line per report, how each agrees with the first run of its entry (or "
+                             "else the first report), and a table of them all; then exit.")
     args = parser.parse_args(argv)
 
     if args.summarize:
         reports = [json.loads(Path(path).read_text()) for path in args.summarize]
         for report in reports:
             print(summary_line(report))
-        for report in reports[1:]:
-            print(agreement_line(report, reports[0]))
+        for i, report in enumerate(reports[1:], 1):
+            same_entry = (r for r in reports[:i] if r["entry"]["name"] == report["entry"]["name"])
+            print(agreement_line(report, next(same_entry, reports[0])))
+        print(comparison_table(reports))
         return EXIT_PASSED
     catalog = load_catalog(Path(args.catalog))
     if args.list:
@@ -316,7 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("limit", "num_fewshot", "concurrency"):
         if getattr(args, name) is not None:
             setattr(entry, name, getattr(args, name))
+    extra = shlex.split(args.server_args or "")
     if args.tensor_parallel_size is not None:
+        extra += ["-tp", str(args.tensor_parallel_size)]
+    if extra and args.base_url:
+        parser.error("--server-args and -tp configure a server this job starts; they cannot change the one at "
+                     "--base-url")
+    entry.server_args = entry.server_args + extra
+    if args.tensor_parallel_size is not None:  # one -tp: the entry's own (Kimi's 8) is replaced
         entry.server_args = with_tensor_parallel(entry.server_args, args.tensor_parallel_size)
     if entry.requires and not args.force and not args.base_url:
         print(f"{entry.name} needs {entry.requires}; not run (pass --force to try anyway)", file=sys.stderr)
@@ -329,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ServerLaunchError, RuntimeError, ValueError, httpx.HTTPError) as exc:
         print(f"gsm8k {entry.name}: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    report["run"] = " ".join([entry.name, *extra])
     output.write_text(json.dumps(report, indent=1))
     print(summary_line(report))
     print(f"report: {output}")

@@ -14,6 +14,7 @@ import logging
 import time
 
 from atom_like import EngineArgs, LLMEngine, SamplingParams
+from atom_like.cli import entry_point
 from atom_like.config import add_flag
 from atom_like.zoo import DEFAULT_DRAFT, DEFAULT_TARGET, model_path
 
@@ -26,6 +27,7 @@ PROMPTS = [
 ]
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_cli_args(parser)
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     tokenizer = engine.tokenizer
     if tokenizer is None:
-        raise SystemExit(f"{args.model} has no tokenizer; simple_inference needs one to turn text into tokens")
+        raise ValueError(f"{args.model} has no tokenizer; simple_inference needs one to turn text into tokens "
+                         "(pass --tokenizer DIR)")
     if tokenizer.chat_template:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                  tokenize=False) for p in PROMPTS]

@@ -9,6 +9,10 @@ gate/up/down into stacked expert weights) belongs to a module implementing `Shar
 the loader then checks every shard was loaded. Such a parameter may also arrive whole (e.g.
 transformers' fused 3-D expert tensors), which counts for all of its shards.
 
+Tensors are copied by value between float types, never between a float and an integer type:
+packed MXFP4 bytes (uint8) only ever land in packed parameters, which may check them further
+(`CheckedParameters`: no NaN scale byte).
+
 Under tensor parallelism a module implementing model_ops.tp.TPSharded says which part of each
 checkpoint tensor this rank holds, and only that part is read: tensors are memory-mapped
 safetensors slices, so no rank ever materialises the full model.
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
@@ -47,6 +51,15 @@ class ShardedParameters(Protocol):
         """The slice of parameter `param` that checkpoint shard `shard` fills."""
 
 
+@runtime_checkable
+class CheckedParameters(Protocol):
+    """A module that validates checkpoint tensors before they are copied into its parameters."""
+
+    def check_tensor(self, param: str, tensor: torch.Tensor) -> None:
+        """Raise ValueError saying what is wrong with `tensor` for parameter `param` (local name);
+        the loader prefixes the checkpoint tensor's name."""
+
+
 @dataclass(frozen=True)
 class WeightMap:
     # (checkpoint prefix, parameter prefix), first match wins: e.g. Kimi's "language_model.model." -> "model."
@@ -59,20 +72,47 @@ class WeightMap:
     skip: tuple[tuple[str, str], ...] = ()
     # parameters a checkpoint may leave out (an EAGLE3 draft without embed_tokens borrows the target's)
     optional: tuple[str, ...] = ()
+    # (parameter prefix, another prefix a quantization config may name the same modules by): a
+    # wrapper's exclude list may use the checkpoint's other layouts or its text model's own names
+    config_aliases: tuple[tuple[str, str], ...] = ()
 
 
 def safetensors_files(folder: str) -> list[str]:
     """The shard files of a checkpoint, via model.safetensors.index.json when present."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (JSON with a weight_map of tensor -> file): "
+                             f"{type(e).__name__}: {e}; fix it or download it again") from e
     else:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     files = [os.path.join(folder, n) for n in names]
     missing = [f for f in files if not os.path.isfile(f)]
     if not files or missing:
         raise ValueError(f"checkpoint {folder!r} has no weight file" + (f": missing {missing}" if missing else " (*.safetensors)"))
+    return files
+
+
+def open_safetensors(path: str):
+    """safe_open, failing with the file named: the library's error (e.g. "incomplete metadata")
+    does not say which shard of a checkpoint is cut short."""
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a complete safetensors file ({e}): the download or conversion was cut "
+                         "short; fetch or write this file again") from e
+
+
+def check_checkpoint_files(folder: str) -> list[str]:
+    """The shard files, each header read and checked against the file size (cheap: no tensor is
+    read), so a file cut short fails before a model is built or loaded."""
+    files = safetensors_files(folder)
+    for path in files:
+        with open_safetensors(path):
+            pass
     return files
 
 
@@ -96,9 +136,9 @@ class CheckpointTensor:
 
 def iter_checkpoint(folder: str, desc: str = "Loading weights") -> Iterator[tuple[str, CheckpointTensor]]:
     """Every tensor of a checkpoint, lazily (valid until the next one is yielded)."""
-    files = safetensors_files(folder)
+    files = check_checkpoint_files(folder)
     for path in tqdm(files, desc=desc, unit="shard", disable=len(files) < 2 or tp.rank() != 0):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 yield name, CheckpointTensor(f, name)
 
@@ -107,17 +147,21 @@ def checkpoint_keys(folder: str) -> set[str]:
     """Tensor names of a checkpoint, read from the file headers only."""
     keys: set[str] = set()
     for path in safetensors_files(folder):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             keys.update(f.keys())
     return keys
 
 
 def convert_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Seed 004's rule: same-width float formats are bit-compatible encodings (fp8 variants) and
+    """ROCm/ATOM#631's rule: same-width float formats are bit-compatible encodings (fp8 variants) and
     are viewed; fp16 <-> bf16 have the same width but different ranges, so they are converted by
-    value, as is every other pair."""
+    value, as is every other pair. Integer and float tensors are never converted into each other:
+    packed MXFP4 bytes (uint8) read as numbers would be garbage."""
     if tensor.dtype == dtype:
         return tensor
+    if tensor.is_floating_point() != dtype.is_floating_point:
+        raise ValueError(f"refusing to convert a {tensor.dtype} checkpoint tensor to {dtype}: integer (e.g. packed "
+                         "MXFP4) and float tensors are never converted into each other")
     same_width = tensor.element_size() == torch.empty((), dtype=dtype).element_size()
     if same_width and tensor.is_floating_point() and dtype.is_floating_point and {tensor.dtype, dtype} != {torch.float16, torch.bfloat16}:
         return tensor.view(dtype)
@@ -158,7 +202,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointTensor
     model_name = type(model).__name__
 
     for ckpt_name, tensor in weights:
-        renamed = _rename(ckpt_name, weight_map)
+        renamed = rename(ckpt_name, weight_map)
         reason = next((why for key, why in weight_map.skip if renamed.startswith(key) or key in renamed), None)
         if reason is not None:
             if reason not in skipped_reasons:
@@ -167,21 +211,34 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointTensor
             continue
         name, shard = _map_name(renamed, weight_map)
         if name not in params:
-            raise ValueError(f"checkpoint tensor {ckpt_name!r} (shape {tensor.shape}) has no parameter in {model_name}")
-        target = params[name].data
-        if shard is not None:
-            module_name, _, local = name.rpartition(".")
-            target = model.get_submodule(module_name).shard_view(local, shard)
+            hint = ("; the checkpoint packs this layer (MXFP4) but its quantization_config leaves it unquantized"
+                    if ckpt_name.endswith(".weight_scale") else "")
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} (shape {tensor.shape}) has no parameter in "
+                             f"{model_name}{hint}")
+        module_name, _, local = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        target = params[name].data if shard is None else module.shard_view(local, shard)
         part = tp_part(model, name, shard)
         whole = list(target.shape)
         if part is not None:  # the whole tensor this rank's part is cut from
             whole[part.dim] = part.full // part.pack
+        # this rank's part; a tensor of another shape is read whole, only to be checked and refused below
+        data = tensor.read(part, name) if tensor.shape == tuple(whole) else tensor.read()
+        if isinstance(module, CheckedParameters):
+            try:
+                module.check_tensor(local, data)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} {e}") from None
+        if data.is_floating_point() != target.is_floating_point():
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} is {data.dtype} but {model_name}.{name} is "
+                             f"{target.dtype}: integer (e.g. packed MXFP4) and float tensors are never converted "
+                             "into each other; is the checkpoint's quantization_config missing or wrong?")
         if tensor.shape != tuple(whole):
             raise ValueError(
                 f"checkpoint tensor {ckpt_name!r} has shape {tensor.shape} but {model_name} expects "
                 f"{tuple(whole)} for {name}" + (f" (shard {shard})" if shard is not None else "")
             )
-        target.copy_(convert_dtype(tensor.read(part, name), target.dtype))
+        target.copy_(convert_dtype(data, target.dtype))
         loaded.update([(name, shard)] if shard is not None else [(name, s) for s in _shards(model, name)])
 
     absent = expected - loaded
@@ -192,7 +249,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointTensor
     return optional
 
 
-def _rename(ckpt_name: str, weight_map: WeightMap) -> str:
+def rename(ckpt_name: str, weight_map: WeightMap) -> str:
     for old, new in weight_map.prefix_renames:
         if ckpt_name.startswith(old):
             return new + ckpt_name[len(old):]

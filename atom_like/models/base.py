@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from atom_like.loader.kv_scales import KV_SCALE_SKIP
 from atom_like.loader.weights import WeightMap
 from model_ops.attention.layer import CachedAttention
 from model_ops.attention.metadata import AttentionMetadata
@@ -19,6 +20,11 @@ from spec_decode.aux_layers import AuxHiddenStates, resolve_aux_layer_ids
 
 class CausalLM(nn.Module, ABC):
     config: PretrainedConfig  # the language-model config (text_config for wrappers)
+    # Fields the checkpoint's config.json must state itself, checked by name before anything is
+    # built: a config class fills a gap with another model's default (DeepseekV3Config's are the
+    # 671B model's), which would surface later as a tensor-shape error or a huge allocation.
+    stated_config_fields: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -38,10 +44,12 @@ class CausalLM(nn.Module, ABC):
 
 @runtime_checkable
 class Eagle3Target(Protocol):
-    """A target an EAGLE3 draft can run on (seeds 002-004).
+    """A target an EAGLE3 draft can run on (the interface of sgl-project/sglang#19689 and
+    ROCm/ATOM#631; id conventions of sgl-project/sglang#25454).
 
-    Flow: `set_eagle3_layers_to_capture(draft ids or None)`, then the runner allocates
-    `AuxHiddenStates(target.eagle3_aux_layer_ids, ...)` and binds it; every forward then fills it.
+    Flow: `set_eagle3_layers_to_capture(draft ids or None)`, then engine/speculative.py
+    allocates `AuxHiddenStates(target.eagle3_aux_layer_ids, ...)` and binds it; every forward
+    then fills it.
     """
 
     def set_eagle3_layers_to_capture(self, layer_ids: Sequence[int] | None) -> None:
@@ -167,7 +175,7 @@ class DecoderOnlyLM(Eagle3TargetMixin, CausalLM):
 
     def common_skips(self) -> list[tuple[str, str]]:
         """Checkpoint tensors every such model ignores."""
-        skip = [("rotary_emb.inv_freq", "rotary frequency buffers (recomputed from the config)")]
+        skip = [("rotary_emb.inv_freq", "rotary frequency buffers (recomputed from the config)"), KV_SCALE_SKIP]
         if self.config.tie_word_embeddings:
             skip.append(("lm_head.weight", "lm_head.weight (tied to embed_tokens)"))
         return skip

@@ -1,6 +1,6 @@
 """Config model types that checkpoints use but transformers does not register.
 
-`kimi_k2` (seed 000, sglang's _KimiK2ConfigAlias): Kimi-K2 text checkpoints and the
+`kimi_k2` (sglang's _KimiK2ConfigAlias from sgl-project/sglang#24826): Kimi-K2 text checkpoints and the
 kimi-k2.5 EAGLE3-MLA drafts say `"model_type": "kimi_k2"`, which is DeepSeek-V3's config under
 another name (their remote code subclasses it). transformers maps it to deepseek_v3 only inside
 a Kimi-K2.5 `text_config`, so a top-level kimi_k2 config needs this alias to load.

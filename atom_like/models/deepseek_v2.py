@@ -167,6 +167,7 @@ class DeepseekV2Model(DecoderModel):
 
 
 class DeepseekV2ForCausalLM(DecoderOnlyLM):
+    stated_config_fields = (*DecoderOnlyLM.stated_config_fields, "q_lora_rank", *MLA_DIMS)  # q_lora_rank may be null
     # routing defaults when config.json omits them (transformers' configs do)
     default_scoring_func = "softmax"
     default_topk_method = "greedy"

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from atom_like.loader.kv_scales import KV_SCALE_SKIP
 from atom_like.loader.weights import WeightMap
 from atom_like.models.llama import LlamaAttention, LlamaMLP, llama_head_dim
 from model_ops.attention.metadata import AttentionMetadata
@@ -19,7 +20,7 @@ from model_ops.rotary import RotaryEmbedding
 from spec_decode.eagle3 import Eagle3Draft
 
 # checkpoint names shared by every EAGLE3 draft family
-DRAFT_SKIP = (("t2d", "t2d (target->draft vocabulary mask; only used in training)"),)
+DRAFT_SKIP = (("t2d", "t2d (target->draft vocabulary mask; only used in training)"), KV_SCALE_SKIP)
 DRAFT_OPTIONAL = ("embed_tokens.weight", "lm_head.weight")
 
 

@@ -1,5 +1,5 @@
 """EAGLE3 / EAGLE3.1 draft with one DeepSeek-MLA decoder layer: Eagle3DeepseekV2ForCausalLM
-(lightseekorg kimi-k2.5-eagle3-mla, kimi-k2.6-eagle3.1-mla; seeds 000, 001).
+(lightseekorg kimi-k2.5-eagle3-mla, kimi-k2.6-eagle3.1-mla; as sgl-project/sglang#24826 and #26506).
 
 The layer is the Llama draft's block with DeepseekV2Attention in place of Llama attention: its
 q-down and kv-down projections read the 2H-wide [input_layernorm(embed), hidden_norm(hidden)],
@@ -30,7 +30,7 @@ from spec_decode.eagle3 import Eagle3Draft
 class Eagle3DeepseekV2ForCausalLM(Eagle3Draft):
     # the draft's config class is DeepseekV3Config (model_type kimi_k2), whose defaults are
     # DeepSeek-V3's dims: a draft silent on its MLA dims must fail, not borrow those
-    stated_config_fields = ("q_lora_rank", *MLA_DIMS)
+    stated_config_fields = (*Eagle3Draft.stated_config_fields, "q_lora_rank", *MLA_DIMS)
 
     def __init__(self, config: PretrainedConfig):
         check_config(config)

@@ -30,6 +30,13 @@ _LAYOUTS = (
     ("model.language_model.", "language_model.model."),
     ("lm_head.", "language_model.lm_head."),
 )
+# names a quantization config may use for the language model's modules: the other checkpoint
+# layouts, and the text model's own names (ATOM maps language_model.model. -> model. the same way)
+_CONFIG_ALIASES = (
+    ("language_model.model.layers.", "language_model.model.blocks."),
+    ("language_model.model.", "model.language_model."),
+    ("language_model.model.", "model."),
+)
 _SKIP = (
     ("vision_tower.", "vision tower (text path only)"),
     ("mm_projector.", "multimodal projector (text path only)"),
@@ -37,6 +44,9 @@ _SKIP = (
 
 
 class KimiK25ForConditionalGeneration(CausalLM):
+    # without text_config, Kimi_K25Config would build DeepSeek-V3 671B's defaults
+    stated_config_fields = ("text_config", *(f"text_config.{f}" for f in DeepseekV3ForCausalLM.stated_config_fields))
+
     def __init__(self, config: PretrainedConfig):
         """`config` is the wrapper's config or its text_config (the engine passes the latter)."""
         super().__init__()
@@ -51,12 +61,12 @@ class KimiK25ForConditionalGeneration(CausalLM):
 
     def weight_map(self) -> WeightMap:
         inner = self.language_model.weight_map()
-        return replace(inner, prefix_renames=_LAYOUTS, skip=inner.skip + _SKIP)
+        return replace(inner, prefix_renames=_LAYOUTS, skip=inner.skip + _SKIP, config_aliases=_CONFIG_ALIASES)
 
     # ---------------------------------------------------------------- Eagle3Target, by delegation
 
     def _eagle3_target(self) -> Eagle3Target:
-        """The language model, which must implement Eagle3Target (seed 002: say so, clearly)."""
+        """The language model, which must implement Eagle3Target (sgl-project/sglang#19689 delegates the same way: say so, clearly)."""
         if not isinstance(self.language_model, Eagle3Target):
             raise TypeError(f"{type(self).__name__} cannot be an EAGLE3 target: its language model "
                             f"{type(self.language_model).__name__} does not implement Eagle3Target "

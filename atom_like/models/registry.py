@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from atom_like.models.eagle3_llama import Eagle3LlamaForCausalLM
 from atom_like.models.eagle3_mla import Eagle3DeepseekV2ForCausalLM
 from atom_like.models.kimi_k25 import KimiK25ForConditionalGeneration
 from atom_like.models.llama import LlamaForCausalLM
+from model_ops.deferred import deferred_weights, materialize
 from spec_decode.eagle3 import Eagle3Draft
 
 TARGET_MODELS: dict[str, type[CausalLM]] = {
@@ -60,7 +62,15 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(cls: type[nn.Module], config: PretrainedConfig, dtype: torch.dtype, device: torch.device):
-    """Instantiate `cls(config)` with its parameters created directly on `device` in `dtype`."""
-    with default_dtype(dtype), torch.device(device):
-        return cls(config).eval()
+def build_model(cls: type[nn.Module], config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                quantize: Callable[[nn.Module], object] | None = None):
+    """Instantiate `cls(config)` with its parameters created directly on `device` in `dtype`.
+
+    `quantize(model)` swaps layers for quantized ones before any replaceable layer's float
+    weights are allocated (model_ops.deferred)."""
+    with default_dtype(dtype), torch.device(device), deferred_weights(quantize is not None):
+        model = cls(config)
+        if quantize is not None:
+            quantize(model)
+    materialize(model, device)
+    return model.eval()

@@ -3,9 +3,11 @@
 import argparse
 import sys
 
+from atom_like.cli import entry_point, fail
 from atom_like.zoo.registry import MODELS, prepare, table
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m atom_like.zoo", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -18,9 +20,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         print(prepare(args.name))
-    except (FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except ImportError as e:  # the converter's optional package (FileNotFoundError: entry_point)
+        fail(str(e))
     return 0
 
 

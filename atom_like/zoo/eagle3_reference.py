@@ -4,7 +4,11 @@ speculation loop that the engine's accepted counts are checked against.
 Why a reference: acceptance parity ("the engine accepts exactly what an eager loop accepts")
 needs an eager loop whose every convention is written down once. This module is that loop and
 the draft math; the trainer (``train_eagle3``) trains these very modules, so a trained draft
-and its reference are the same code. The conventions (see ../shared/reference/eagle3_semantics.md):
+and its reference are the same code. Its RMSNorm and Eagle3Draft are deliberately not the
+serving ones (model_ops.layernorm.RMSNorm, spec_decode.eagle3.Eagle3Draft): they are the
+independent oracle the paged engine draft is checked against, and they train (the serving
+RMSNorm has frozen weights and runs a Triton kernel on a GPU). Only the default aux ids are
+shared (spec_decode.aux_layers). The conventions (docs/eagle3_semantics.md):
 
 * Aux hidden states are HF ``output_hidden_states[k]`` (the residual stream entering layer k;
   index 0 = embeddings) for ``k`` in ``eagle_config.eagle_aux_hidden_state_layer_ids``,
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_like.zoo.checkpoint import load_tensors, save_sharded
+from spec_decode.aux_layers import default_aux_layer_ids
 
 LLAMA_ARCH = "LlamaForCausalLMEagle3"
 MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
@@ -260,11 +265,13 @@ def aux_layer_ids(cfg: dict) -> list[int]:
     return list(ids)
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """(2, N//2, N-3) as EAGLE/vLLM/ATOM. Targets too shallow for that (N < 7, where those ids
-    repeat) get three ids spread over 2..N-1: never 1, since a first id of 1 marks the "output of
-    layer" numbering that engines shift by one, and never N, since HF hidden_states[N] is post-norm."""
-    ids = [2, num_layers // 2, num_layers - 3]
+def training_aux_layer_ids(num_layers: int) -> list[int]:
+    """The aux ids written into a draft we train: the engines' default (2, N//2, N-3) where its
+    ids are distinct. On targets shallower than 7 layers that default repeats a layer (the engine
+    accepts that), so a draft trained here gets three distinct layers spread over 2..N-1 instead,
+    which tell it more: never 1, since a first id of 1 marks the "output of layer" numbering that
+    engines shift by one, and never N, since HF hidden_states[N] is post-norm."""
+    ids = default_aux_layer_ids(num_layers)
     if ids == sorted(set(ids)):
         return ids
     if num_layers < 5:
@@ -302,7 +309,7 @@ def make_draft_config(target_cfg, arch: str, *, intermediate_size: int | None = 
         "tie_word_embeddings": False, "bos_token_id": target_cfg.bos_token_id,
         "eos_token_id": target_cfg.eos_token_id, "pad_token_id": target_cfg.pad_token_id,
         "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_ids or default_aux_layer_ids(target_cfg.num_hidden_layers)),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_ids or training_aux_layer_ids(target_cfg.num_hidden_layers)),
                          "use_aux_hidden_state": True},
     }
     heads = num_attention_heads or target_cfg.num_attention_heads

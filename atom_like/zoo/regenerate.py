@@ -2,8 +2,8 @@
 
 Why regenerate: a draft is graded on the target's *own* greedy text, which differs from the
 human/ChatGPT text of ShareGPT. Training the draft on the target's replies to training prompts
-(never to eval prompts) is the cheapest large gain in acceptance (see
-../shared/reference/eagle3_training_baseline.md), so the more replies per minute the better.
+(never to eval prompts) is the cheapest large gain in acceptance (docs/zoo.md, "Training baseline"), so the more replies
+per minute the better.
 Two generators, both greedy and under a time budget: our own engine (``engine_generate``: paged
 KV cache, continuous batching, CUDA graphs; the default on a GPU) and transformers' ``generate``
 (``greedy_generate``: length-sorted, left-padded batches; the default on CPU and the oracle the

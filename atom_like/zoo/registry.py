@@ -2,8 +2,9 @@
 
 Why: tests, examples and benchmarks ask for a model by name (``resolve("tiny-kimi")``) and must
 get either a folder or an error that says what to run. Two kinds of model exist:
-  * converted: built on this machine from an installed package (SmolLM2 from its GGUF) into
-    the cache, ``$ATOM_LIKE_CACHE/<name>`` or ``~/.cache/atom_like/zoo/<name>``;
+  * converted: built on this machine into the cache, ``$ATOM_LIKE_CACHE/<name>`` or
+    ``~/.cache/atom_like/zoo/<name>``: SmolLM2 from its GGUF package, tiny-kimi-mxfp4 from the
+    shipped tiny-kimi;
   * shipped: trained once on a GPU (``ci/train_zoo.sh``) and committed inside the package at
     ``atom_like/zoo/models/<name>/``; a copy in the cache folder is found too (a fresh training
     run can be tried there before it is committed).
@@ -42,6 +43,9 @@ MODELS: dict[str, ZooModel] = {m.name: m for m in [
              "(atom_like/zoo/README.md)"),
     ZooModel("tiny-kimi", "target", None,
              "Kimi-K2.5 architecture (MLA + MoE, sigmoid/noaux_tc routing), trained from scratch", _TRAIN),
+    ZooModel("tiny-kimi-mxfp4", "target", None,
+             "tiny-kimi in the released Kimi-K2.5-MXFP4 format (Quark MXFP4 W4A4 experts + MLPs, fp8 KV scales)",
+             "python -m atom_like.zoo prepare tiny-kimi-mxfp4", converted=True),
     ZooModel("tiny-kimi-eagle3", "draft", "tiny-kimi", "EAGLE3 Llama (MHA) draft, full vocab", _TRAIN),
     ZooModel("tiny-kimi-eagle3-mla", "draft", "tiny-kimi", "EAGLE3 MLA draft (Eagle3DeepseekV2ForCausalLM)", _TRAIN),
     ZooModel("tiny-kimi-eagle3.1-mla", "draft", "tiny-kimi", "EAGLE3.1 MLA draft (fc_norm + norm_output)", _TRAIN),
@@ -74,10 +78,13 @@ def locate(name: str) -> Path | None:
 
 
 def prepare(name: str) -> Path:
-    """Build a converted model into the cache (only SmolLM2 is convertible)."""
+    """Build a converted model into the cache."""
     if not _spec(name).converted:
         raise ValueError(f"{name!r} is not built by 'prepare'; to make it: {_spec(name).make}")
-    from atom_like.zoo.smollm2 import convert
+    if name == "tiny-kimi-mxfp4":
+        from atom_like.zoo.tiny_kimi_mxfp4 import convert
+    else:
+        from atom_like.zoo.smollm2 import convert
 
     return convert(cache_root() / name)
 
@@ -97,7 +104,8 @@ def _spec(name: str) -> ZooModel:
     try:
         return MODELS[name]
     except KeyError:
-        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}") from None
+        raise ValueError(f"{name!r} is neither a checkpoint folder nor a zoo model; zoo models: "
+                         f"{', '.join(MODELS)}") from None
 
 
 def table() -> str:

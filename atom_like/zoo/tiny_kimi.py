@@ -29,7 +29,7 @@ import torch
 from atom_like.zoo.checkpoint import load_tensors, save_sharded
 
 # Sizes: target + three drafts must fit in 40 MB of bf16 (see atom_like/zoo/README.md); 5 layers
-# is the fewest that gives three EAGLE3 aux layers in 2..N-1 (eagle3_reference.default_aux_layer_ids).
+# is the fewest that gives three EAGLE3 aux layers in 2..N-1 (eagle3_reference.training_aux_layer_ids).
 # rms_norm_eps is 1e-6 because transformers' DeepseekV3Attention normalises the q/kv latents with
 # a fixed 1e-6 while vLLM/sglang use the config's eps: with 1e-6 everywhere both readings agree.
 TEXT_DEFAULTS = dict(

@@ -3,7 +3,7 @@
 ``python -m atom_like.zoo.train_eagle3 --target DIR --arch {llama,mla} [--fc-norm] [--norm-output]
   [--draft-vocab N] --data DIR:SET ... --out DIR --minutes M [--eval-prompts FILE]``
 
-What a step does (the recipe of EAGLE-3 / SpecForge, see ../shared/reference/eagle3_semantics.md):
+What a step does (the recipe of EAGLE-3 / SpecForge; conventions in docs/eagle3_semantics.md):
 the frozen target (bf16, no grad) runs over a packed window and gives the aux hiddens and its
 logits; the draft is unrolled ``--ttt-steps`` (default 4) chain steps over the whole window on
 its own carried hiddens with the diagonal mask (``eagle3_ttt``); each step's loss is the soft

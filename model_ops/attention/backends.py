@@ -1,13 +1,17 @@
 """Attention backends and the one place that picks a backend for a layer.
 
 A backend is the pair (KV write, paged attention) for one cache layout. The torch reference runs
-everywhere and is the oracle; faster backends (Triton on any GPU, aiter on ROCm) register here
-and are chosen by `select_backend` alone, so model code never changes when a backend is added.
+everywhere and is the oracle; faster backends (Triton on any GPU) are listed here and chosen by
+`select_backend` alone, so model code never changes when a backend is added. An aiter adapter
+(ROCm) is not written yet: `aiter` stays a visible choice that is refused at start-up, with why.
 
 MHA backends implement `MHABackend.attend`; MLA backends implement `MLABackend`, whose
 absorbed call has exactly the signature of the Triton kernel `kernels_rocm.mla_decode.
 mla_paged_attention` (q_latent, q_pe, latent cache, metadata, scale -> [T, N, L]), so a kernel
 is a few-line subclass and the MLA layer never changes.
+
+`scales` are a layer's fp8 KV-cache scales, 1-element fp32 device tensors: (k_scale, v_scale)
+for MHA, (scale,) for MLA's latent rows; None when the cache is not fp8 (MXFP4_CONTRACT.md).
 """
 from __future__ import annotations
 
@@ -22,7 +26,21 @@ from model_ops.attention.metadata import AttentionMetadata
 
 AttentionKind = Literal["mha", "mla"]
 Role = Literal["target", "draft"]
+KVScales = tuple[torch.Tensor, ...] | None
 BACKEND_CHOICES = ("auto", "torch", "triton", "aiter")
+# choices users will find in ATOM's docs that this engine cannot run yet, and why
+UNAVAILABLE_BACKENDS = {
+    "aiter": "atom_like has no aiter adapter yet (it lands with the aiter integration issue, and nothing here "
+             "has run on AMD hardware); use auto, torch or triton (Triton kernels compile for ROCm too)",
+}
+
+
+def check_backend_choice(preference: str) -> None:
+    """The --attention-backend value is one this engine can run, else a ValueError saying why."""
+    if preference not in BACKEND_CHOICES:
+        raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_CHOICES)}; got {preference!r}")
+    if preference in UNAVAILABLE_BACKENDS:
+        raise ValueError(f"--attention-backend {preference} is not available: {UNAVAILABLE_BACKENDS[preference]}")
 
 
 class AttentionBackend(ABC):
@@ -34,12 +52,23 @@ class AttentionBackend(ABC):
     name: str
 
     @abstractmethod
-    def write(self, cache: torch.Tensor, rows: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor) -> None: ...
+    def write(self, cache: torch.Tensor, rows: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor,
+              scales: KVScales = None) -> None: ...
+
+
+def _kv(scales: KVScales) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return scales if scales is not None else (None, None)
+
+
+def _kernel_scales(scales: KVScales, *names: str) -> dict[str, torch.Tensor]:
+    """Keyword arguments for a kernel: its scale arguments, only for an fp8 cache."""
+    return dict(zip(names, scales)) if scales is not None else {}
 
 
 class MHABackend(AttentionBackend):
     @abstractmethod
-    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               scales: KVScales = None) -> torch.Tensor: ...
 
 
 class TorchMHABackend(MHABackend):
@@ -47,13 +76,14 @@ class TorchMHABackend(MHABackend):
 
     name = "torch"
 
-    def write(self, cache, rows, slot_mapping):
+    def write(self, cache, rows, slot_mapping, scales=None):
         key, value = rows
-        torch_ref.write_cache(cache[0], key, slot_mapping)
-        torch_ref.write_cache(cache[1], value, slot_mapping)
+        k_scale, v_scale = _kv(scales)
+        torch_ref.write_cache(cache[0], key, slot_mapping, k_scale)
+        torch_ref.write_cache(cache[1], value, slot_mapping, v_scale)
 
-    def attend(self, q, cache, meta, scale):
-        return torch_ref.paged_attention(q, cache[0], cache[1], meta, scale)
+    def attend(self, q, cache, meta, scale, scales=None):
+        return torch_ref.paged_attention(q, cache[0], cache[1], meta, scale, *_kv(scales))
 
 
 class TritonMHABackend(MHABackend):
@@ -61,17 +91,18 @@ class TritonMHABackend(MHABackend):
 
     name = "triton"
 
-    def write(self, cache, rows, slot_mapping):
+    def write(self, cache, rows, slot_mapping, scales=None):
         from kernels_rocm.kv_cache import write_kv_cache
 
         key, value = rows
-        write_kv_cache(key, value, cache[0], cache[1], slot_mapping)
+        write_kv_cache(key, value, cache[0], cache[1], slot_mapping, **_kernel_scales(scales, "k_scale", "v_scale"))
 
-    def attend(self, q, cache, meta, scale):
+    def attend(self, q, cache, meta, scale, scales=None):
         from kernels_rocm.paged_attention import paged_attention
 
-        return paged_attention(q, cache[0], cache[1], meta.query_start_loc, meta.context_lens,
-                               meta.block_tables, meta.max_query_len, meta.max_context_len, scale)
+        return paged_attention(q, cache[0], cache[1], meta.query_start_loc, meta.context_lens, meta.block_tables,
+                               meta.max_query_len, meta.max_context_len, scale,
+                               **_kernel_scales(scales, "k_scale", "v_scale"))
 
 
 class MLABackend(AttentionBackend):
@@ -80,44 +111,50 @@ class MLABackend(AttentionBackend):
     `write` takes rows = (latent [T, L], k_pe [T, R]).
     """
 
-    def write(self, cache, rows, slot_mapping):
-        torch_ref.write_cache(cache, torch.cat(rows, dim=-1), slot_mapping)
+    def write(self, cache, rows, slot_mapping, scales=None):
+        torch_ref.write_cache(cache, torch.cat(rows, dim=-1), slot_mapping, _latent(scales))
 
     @abstractmethod
     def attend_absorbed(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, scales: KVScales = None) -> torch.Tensor:
         """q_latent [T, N, L] (q_nope . W_UK), q_pe [T, N, R] after RoPE -> [T, N, L] (before W_UV):
         MQA over whole latent rows, values = their first L columns, causal as in AttentionMetadata."""
 
     def attend_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, expand: torch_ref.LatentExpander) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, expand: torch_ref.LatentExpander,
+                        scales: KVScales = None) -> torch.Tensor:
         """q_nope [T, N, P], q_pe [T, N, R] -> [T, N, V], context rows expanded through `expand`
         (kv_b_proj). Backends without a prefill kernel inherit the reference."""
-        return torch_ref.mla_expanded_attention(q_nope, q_pe, cache, meta, scale, expand)
+        return torch_ref.mla_expanded_attention(q_nope, q_pe, cache, meta, scale, expand, _latent(scales))
+
+
+def _latent(scales: KVScales) -> torch.Tensor | None:
+    return scales[0] if scales is not None else None
 
 
 class TorchMLABackend(MLABackend):
     name = "torch"
 
-    def attend_absorbed(self, q_latent, q_pe, cache, meta, scale):
-        return torch_ref.mla_absorbed_attention(q_latent, q_pe, cache, meta, scale)
+    def attend_absorbed(self, q_latent, q_pe, cache, meta, scale, scales=None):
+        return torch_ref.mla_absorbed_attention(q_latent, q_pe, cache, meta, scale, _latent(scales))
 
 
 class TritonMLABackend(MLABackend):
-    """kernels_rocm's MLA kernels (any GPU); registered only where kernels_rocm.mla_decode exists."""
+    """kernels_rocm's MLA kernels (any GPU); registered, like the MHA ones, where triton is importable."""
 
     name = "triton"
 
-    def write(self, cache, rows, slot_mapping):
+    def write(self, cache, rows, slot_mapping, scales=None):
         from kernels_rocm.kv_cache import write_mla_kv_cache
 
-        write_mla_kv_cache(rows[0], rows[1], cache, slot_mapping)
+        write_mla_kv_cache(rows[0], rows[1], cache, slot_mapping, **_kernel_scales(scales, "scale"))
 
-    def attend_absorbed(self, q_latent, q_pe, cache, meta, scale):
+    def attend_absorbed(self, q_latent, q_pe, cache, meta, scale, scales=None):
         from kernels_rocm.mla_decode import mla_paged_attention
 
-        return mla_paged_attention(q_latent, q_pe, cache, meta.query_start_loc, meta.context_lens,
-                                   meta.block_tables, meta.max_query_len, meta.max_context_len, scale)
+        return mla_paged_attention(q_latent, q_pe, cache, meta.query_start_loc, meta.context_lens, meta.block_tables,
+                                   meta.max_query_len, meta.max_context_len, scale,
+                                   **_kernel_scales(scales, "kv_scale"))
 
 
 _BACKENDS: dict[tuple[AttentionKind, str], type[AttentionBackend]] = {
@@ -129,17 +166,13 @@ if importlib.util.find_spec("triton") is not None:  # Linux wheels; without it o
     _BACKENDS[("mla", "triton")] = TritonMLABackend
 
 
-def register_backend(kind: AttentionKind, backend: type[AttentionBackend]) -> None:
-    _BACKENDS[(kind, backend.name)] = backend
-
-
 def select_backend(kind: AttentionKind, device: torch.device, role: Role, preference: str = "auto") -> AttentionBackend:
     """The backend for a layer of `kind` serving `role` on `device`: `preference` if not "auto",
-    else the torch reference on CPU and the fastest registered backend on a GPU. Pure-MHA draft
-    layers never take aiter's paged attention: its assembly kernels read block `id & 0xFFFF` once
-    a draft pool passes 65,535 blocks (ROCm/ATOM#702, seed 004)."""
-    if preference not in BACKEND_CHOICES:
-        raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_CHOICES)}; got {preference!r}")
+    else the torch reference on CPU and the fastest registered backend on a GPU. When an aiter
+    adapter lands, pure-MHA draft layers must still not take aiter's paged attention: its
+    assembly kernels read block `id & 0xFFFF` once a draft pool passes 65,535 blocks
+    (ROCm/ATOM#702, ROCm/aiter#3062; ROCm/ATOM#631 routes those layers to Triton)."""
+    check_backend_choice(preference)
     if preference == "auto":
         order = ("torch",) if device.type == "cpu" else ("aiter", "triton", "torch")
     else:

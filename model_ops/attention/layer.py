@@ -1,7 +1,8 @@
 """Attention layers that own a slice of the paged KV pool.
 
-A layer says what one cache looks like (`kv_cache_shape`); a KV builder allocates the pool and
-binds each layer's view plus the backend chosen for it. Model code only calls `forward`.
+A layer says what one cache looks like (`kv_cache_shape`) and how many fp8 scales it takes; a
+KV builder allocates the pool and binds each layer's view, its scales (fp8 caches only) and the
+backend chosen for it. Model code only calls `forward`.
 """
 from __future__ import annotations
 
@@ -10,24 +11,27 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from model_ops.attention.backends import AttentionBackend, AttentionKind
+from model_ops.attention.backends import AttentionBackend, AttentionKind, KVScales
 from model_ops.attention.metadata import AttentionMetadata
 
 
 class CachedAttention(nn.Module, ABC):
     kind: AttentionKind
+    # fp8 KV-cache scales per layer: K and V for MHA, one for MLA's latent rows (KVScales)
+    num_kv_scales: int
 
     def __init__(self) -> None:
         super().__init__()
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        self.kv_scales: KVScales = None
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of this layer's cache for a pool of `num_blocks` blocks."""
 
-    def bind_kv_cache(self, cache: torch.Tensor, backend: AttentionBackend) -> None:
-        self.kv_cache, self.backend = cache, backend
+    def bind_kv_cache(self, cache: torch.Tensor, backend: AttentionBackend, scales: KVScales = None) -> None:
+        self.kv_cache, self.backend, self.kv_scales = cache, backend, scales
 
     def _bound(self) -> tuple[torch.Tensor, AttentionBackend]:
         if self.kv_cache is None or self.backend is None:
@@ -39,6 +43,7 @@ class PagedAttention(CachedAttention):
     """Multi-head / grouped-query attention over a paged K/V cache."""
 
     kind: AttentionKind = "mha"
+    num_kv_scales = 2
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
@@ -52,5 +57,5 @@ class PagedAttention(CachedAttention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> [T, Hq, D]."""
         cache, backend = self._bound()
-        backend.write(cache, (k, v), meta.slot_mapping)
-        return backend.attend(q, cache, meta, self.scale)
+        backend.write(cache, (k, v), meta.slot_mapping, self.kv_scales)
+        return backend.attend(q, cache, meta, self.scale, self.kv_scales)

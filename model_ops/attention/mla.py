@@ -39,6 +39,7 @@ class MLAAttention(CachedAttention):
     `num_heads` is the model's; the layer keeps this tensor-parallel rank's share of them."""
 
     kind: AttentionKind = "mla"
+    num_kv_scales = 1
 
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, scale: float):
@@ -73,14 +74,14 @@ class MLAAttention(CachedAttention):
         cache, backend = self._bound()
         if not isinstance(backend, MLABackend):
             raise TypeError(f"MLA layer bound to {type(backend).__name__}, which is not an MLABackend")
-        backend.write(cache, (latent, k_pe), meta.slot_mapping)
+        backend.write(cache, (latent, k_pe), meta.slot_mapping, self.kv_scales)
         if absorbed is None:
             absorbed = meta.max_query_len <= ABSORBED_MAX_QUERY_LEN
         if absorbed:
             w_uk, w_uv = self._w_uk_uv()
             q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, N, L]
-            out_latent = backend.attend_absorbed(q_latent, q_pe, cache, meta, self.scale)
+            out_latent = backend.attend_absorbed(q_latent, q_pe, cache, meta, self.scale, self.kv_scales)
             out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, N, V]
         else:
-            out = backend.attend_expanded(q_nope, q_pe, cache, meta, self.scale, self.expand)
+            out = backend.attend_expanded(q_nope, q_pe, cache, meta, self.scale, self.expand, self.kv_scales)
         return out.flatten(1)

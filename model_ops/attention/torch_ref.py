@@ -5,6 +5,10 @@ softmax in fp32. To keep memory bounded for long prompts and mixed prefill/decod
 batch is cut into groups whose padded score tensor stays under a budget; a long prompt is cut
 into query chunks, each of which is itself a valid "sequence" (fewer rows, shorter context).
 The grouping reads metadata on the host, so this path is never captured in a CUDA graph.
+
+FP8 caches (model_ops.quant.fp8): a write stores quantize_fp8(x, scale) in the cache's e4m3
+type, a read dequantizes the gathered rows (entry * scale, fp32) before any arithmetic; one fp32
+scale per tensor, passed as a 1-element device tensor (None: the cache is not fp8).
 """
 from __future__ import annotations
 
@@ -14,19 +18,36 @@ from dataclasses import dataclass
 import torch
 
 from model_ops.attention.metadata import AttentionMetadata
+from model_ops.quant.fp8 import FP8_KV_DTYPES, dequantize_fp8, quantize_fp8
 
 # fp32 elements in one group's score tensor (256 MiB); einsum + softmax hold about three of them.
 SCORE_BUDGET = 1 << 26
 
 
-def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store `values[t]` at slot `slot_mapping[t]` of `cache` ([num_blocks, block_size, ...]).
+def check_cache_scale(cache: torch.Tensor, scale: torch.Tensor | None, name: str) -> None:
+    """An fp8 cache needs its scale and only an fp8 cache takes one (the kernels' contract too)."""
+    if cache.dtype in FP8_KV_DTYPES and scale is None:
+        raise ValueError(f"{name}: the cache is {cache.dtype} but no scale was given")
+    if cache.dtype not in FP8_KV_DTYPES and scale is not None:
+        raise ValueError(f"{name} was given but the cache is {cache.dtype}, not fp8")
 
-    Rows with slot -1 (padding) are skipped.
-    """
+
+def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor,
+                scale: torch.Tensor | None = None) -> None:
+    """Store `values[t]` at slot `slot_mapping[t]` of `cache` ([num_blocks, block_size, ...]),
+    fp8-quantized with `scale` when the cache is fp8. Rows with slot -1 (padding) are skipped."""
+    check_cache_scale(cache, scale, "scale")
     flat = cache.flatten(0, 1)
     keep = slot_mapping >= 0
-    flat.index_copy_(0, slot_mapping[keep], values[keep].to(flat.dtype))
+    rows = values[keep]
+    if scale is not None:  # copied as bytes: index_copy_ has no fp8 kernel on every device
+        flat, rows = flat.view(torch.uint8), quantize_fp8(rows, scale, flat.dtype).view(torch.uint8)
+    flat.index_copy_(0, slot_mapping[keep], rows.to(flat.dtype))
+
+
+def read_rows(rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as values: dequantized when the cache is fp8 (`scale` given)."""
+    return dequantize_fp8(rows, scale, dtype) if scale is not None else rows
 
 
 def gather_cache(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -129,17 +150,22 @@ def _make_group(group, meta: AttentionMetadata, max_rows: int, max_ctx: int, dev
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention over caches [num_blocks, block_size, Hkv, D]; see AttentionMetadata.
+    `k_scale` / `v_scale`: the fp8 caches' scales (None: not fp8).
 
     MLA's absorbed decode is the same call with one KV head: k_cache = latent rows [.., 1, L+R],
-    v_cache = the first L columns of the same rows.
+    v_cache = the first L columns of the same rows (one scale for both).
     """
+    check_cache_scale(k_cache, k_scale, "k_scale")
+    check_cache_scale(v_cache, v_scale, "v_scale")
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     for g in segment_groups(meta, q.shape[1]):
         keys = gather_cache(k_cache, g.meta.block_tables, g.meta.max_context_len)
         values = gather_cache(v_cache, g.meta.block_tables, g.meta.max_context_len)
+        keys, values = read_rows(keys, k_scale, torch.float32), read_rows(values, v_scale, torch.float32)
         out[g.rows] = padded_causal_attention(q[g.rows], keys, values, g.meta, scale)
     return out
 
@@ -149,28 +175,31 @@ LatentExpander = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def mla_absorbed_attention(
-    q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA in the absorbed form: q_latent [T, N, L] (q_nope . W_UK) and q_pe [T, N, R] attend, as
     one KV head, to whole latent rows [num_blocks, block_size, L + R] with the first L columns as
-    values. Returns [T, N, L]."""
+    values. `kv_scale`: the fp8 cache's one scale for the whole row. Returns [T, N, L]."""
     rows = cache.unsqueeze(2)
-    return paged_attention(torch.cat([q_latent, q_pe], dim=-1), rows, rows[..., : q_latent.shape[-1]], meta, scale)
+    return paged_attention(torch.cat([q_latent, q_pe], dim=-1), rows, rows[..., : q_latent.shape[-1]], meta, scale,
+                           kv_scale, kv_scale)
 
 
 def mla_expanded_attention(
     q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    expand: LatentExpander,
+    expand: LatentExpander, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """MLA in the expanded form: each group's context latent rows go through `expand` to per-head
-    k_nope / v, keys are [k_nope | shared rope part], and q = [q_nope | q_pe] attends causally with
-    qk dim P + R and v dim V. Returns [T, N, V]."""
+    """MLA in the expanded form: each group's context latent rows (dequantized to q's dtype when
+    the cache is fp8) go through `expand` to per-head k_nope / v, keys are [k_nope | shared rope
+    part], and q = [q_nope | q_pe] attends causally with qk dim P + R and v dim V. Returns [T, N, V]."""
+    check_cache_scale(cache, kv_scale, "kv_scale")
     num_heads, rope_dim = q_pe.shape[1], q_pe.shape[2]
     latent_dim = cache.shape[-1] - rope_dim
     q = torch.cat([q_nope, q_pe], dim=-1)
     out: torch.Tensor | None = None
     for g in segment_groups(meta, num_heads):
-        rows = gather_cache(cache, g.meta.block_tables, g.meta.max_context_len)  # [B, S, L + R]
+        rows = read_rows(gather_cache(cache, g.meta.block_tables, g.meta.max_context_len), kv_scale, q.dtype)
         k_nope, values = expand(rows[..., :latent_dim])
         k_pe = rows[..., None, latent_dim:].expand(-1, -1, num_heads, -1)
         keys = torch.cat([k_nope, k_pe.to(k_nope.dtype)], dim=-1)

@@ -243,11 +243,22 @@ def test_rms_norm_kimi_hidden(num_tokens):
     g = torch.Generator(device=DEVICE).manual_seed(num_tokens)
     x, residual = torch.randn(2, num_tokens, 7168, generator=g, device=DEVICE, dtype=torch.bfloat16)
     weight = torch.randn(7168, generator=g, device=DEVICE, dtype=torch.bfloat16)
-    assert_rel_close(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6).float())
+    out = rms_norm(x, weight, 1e-6)
+    assert_rel_close(out, rms_norm_reference(x, weight, 1e-6).float())
+    _assert_rounds_like(out, rms_norm_reference(x, weight, 1e-6))
     expected_residual = x + residual
     out, _ = fused_add_rms_norm(x, residual, weight, 1e-6, out=_poisoned(x.shape))
     assert torch.equal(residual, expected_residual)
     assert_rel_close(out, rms_norm_reference(expected_residual, weight, 1e-6).float())
+    _assert_rounds_like(out, rms_norm_reference(expected_residual, weight, 1e-6))
+
+
+def _assert_rounds_like(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bit-equal to the HF-rounded reference except where the kernel's rsqrt and reduction order
+    flip a rounding (well under 1%). A weight applied to the fp32 normalised row (one rounding
+    instead of two) differs in ~25% of elements while its relative error (~3e-3) passes REL_TOL."""
+    mismatch = (out != ref).float().mean().item()
+    assert mismatch < 0.01, f"{mismatch:.1%} of elements differ from the HF rounding"
 
 
 # ------------------------------------------------------------------------------- graph capture

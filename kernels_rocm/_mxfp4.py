@@ -1,0 +1,208 @@
+"""Triton building blocks of the MXFP4 GEMMs (`mxfp4_linear`, `mxfp4_moe`).
+
+Format (see model_ops/quant/mxfp4.py, the reference these blocks reproduce): weights are uint8
+[N, K/2], two E2M1 codes a byte with the even (first) K element in the low nibble; scales are
+uint8 E8M0 [N, K/32], value 2^(byte - 127).
+
+- Weights are dequantized in registers, never in memory. A code's 3 magnitude bits are placed
+  at fp32 bits 24..22 (exponent LSBs + top mantissa bit) and its sign at bit 31: that fp32 is
+  the E2M1 value times 2^-126 exactly, the two E2M1 subnormals (0 and 0.5) landing on fp32
+  subnormals; one multiply by 2^126 normalizes it and one by the block scale applies E8M0.
+  Three integer ops and two multiplies per element, no table, no exp2. Compiled for NVIDIA with
+  bf16 dots, the same placement is done in PTX on 32-bit registers, two bf16 values an
+  instruction (`e2m1_pair_to_bf16_ptx`): the decode is what bounds these GEMMs on an H100
+  (docs/benchmarks.md section 6). ROCm and the interpreter use the portable version.
+- E8M0 scales are built from bits (byte << 23; byte 0 is the subnormal 2^-127, 255 is NaN):
+  exp2 flushes 2^-127 to zero on GPUs and is inexact in the Triton interpreter.
+- Activations can be quantize-dequantized on the fly with Quark's "even" scale rule, per 32
+  consecutive K elements, exactly as `qdq_mxfp4`: the kernels load an activation tile, QDQ it
+  in registers and feed it to the dot, so there is no QDQ pass over memory.
+- The dot splits K by parity instead of interleaving the two nibbles: the low nibbles of a
+  [N, K/2] byte tile are the weights of the even K columns, the high nibbles of the odd ones, so
+  acc += A[:, 0::2] @ W_lo^T + A[:, 1::2] @ W_hi^T (the activation tile is split, it is small).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MX_BLOCK = 32  # K elements per E8M0 scale
+E2M1_SUBNORMAL_SHIFT = tl.constexpr(2.0**126)  # fp32 placement of an E2M1 code is its value times 2^-126
+
+
+@triton.jit
+def e8m0_to_fp32(scale):
+    """uint8 / int32 E8M0 bytes -> fp32 2^(byte - 127), by bits (byte 0 -> 2^-127, 255 -> NaN)."""
+    b = scale.to(tl.int32)
+    bits = tl.where(b == 0, 0x00400000, b << 23)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_pair_to_fp32(packed):
+    """uint8 bytes -> (low nibble, high nibble) E2M1 values in fp32, unscaled."""
+    b = packed.to(tl.uint32)
+    lo = ((b << 28) & 0x80000000) | ((b << 22) & 0x01C00000)
+    hi = ((b << 24) & 0x80000000) | ((b << 18) & 0x01C00000)
+    return (lo.to(tl.float32, bitcast=True) * E2M1_SUBNORMAL_SHIFT,
+            hi.to(tl.float32, bitcast=True) * E2M1_SUBNORMAL_SHIFT)
+
+
+@triton.jit
+def e8m0_to_bf16(scale):
+    """uint8 E8M0 bytes -> bf16 2^(byte - 127) by bits (bf16 has fp32's exponent range: byte 0 is
+    the bf16 subnormal 0x0040, 255 is NaN)."""
+    b = scale.to(tl.int32)
+    bits = tl.where(b == 0, 0x0040, b << 7)
+    bits = tl.where(b == 255, 0x7FC0, bits)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1_pair_to_bf16_ptx(packed):
+    """CUDA fast path of `e2m1_pair_to_fp32` for bf16 dots: 4 packed bytes per 32-bit register
+    give (low nibbles, high nibbles) as exact bf16 E2M1 values, two per instruction.
+
+    Per pair of bytes: prmt spreads them into the two 16-bit halves, then the same placement as
+    the fp32 path at bf16 positions (magnitude bits at 8..6, sign at 15: the E2M1 value times
+    2^-126, subnormal for codes 0 and 0.5) in one shift-shift-or-and, and one bf16x2 fma by
+    2^126 (with -0.0 added, i.e. an exact multiply; fma.bf16x2 exists from sm_80, keeps
+    subnormals). High nibbles: the same after shifting the word right by 4; the neighbouring
+    nibble that lands in each byte's top half is masked away.
+    """
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 zero, bias, nzero, u, t, s;
+        mov.b32 zero, 0;
+        mov.b32 bias, 0x7E807E80;
+        mov.b32 nzero, 0x80008000;
+        prmt.b32 t, $4, zero, 0x4140;
+        shl.b32 s, t, 6;
+        shl.b32 t, t, 12;
+        or.b32 t, t, s;
+        and.b32 t, t, 0x81C081C0;
+        fma.rn.bf16x2 $0, t, bias, nzero;
+        prmt.b32 t, $4, zero, 0x4342;
+        shl.b32 s, t, 6;
+        shl.b32 t, t, 12;
+        or.b32 t, t, s;
+        and.b32 t, t, 0x81C081C0;
+        fma.rn.bf16x2 $1, t, bias, nzero;
+        shr.b32 u, $4, 4;
+        prmt.b32 t, u, zero, 0x4140;
+        shl.b32 s, t, 6;
+        shl.b32 t, t, 12;
+        or.b32 t, t, s;
+        and.b32 t, t, 0x81C081C0;
+        fma.rn.bf16x2 $2, t, bias, nzero;
+        prmt.b32 t, u, zero, 0x4342;
+        shl.b32 s, t, 6;
+        shl.b32 t, t, 12;
+        or.b32 t, t, s;
+        and.b32 t, t, 0x81C081C0;
+        fma.rn.bf16x2 $3, t, bias, nzero;
+        }""",
+        "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+    )
+
+
+@triton.jit
+def round_to_e2m1(v):
+    """Round fp32 values already divided by their "even" block scale to the E2M1 grid
+    {0, 0.5, 1, 1.5, 2, 3, 4, 6}: nearest, ties to the even code.
+
+    Adding C = 2^22 / 2^23 / 2^24 rounds to a multiple of 0.5 / 1 / 2 with the FPU's
+    round-to-nearest-even, which is E2M1's spacing on [0, 2) / [2, 4) / [4, 8); the grids nest,
+    so a value that rounds up across a boundary lands on a point of both, and an even code is an
+    even multiple of its spacing, so RNE's tie rule is the "ties to even code" rule. No value
+    reaches 7 (the even rule moves a block whose amax is >= 1.75 * 2^n up to scale 2^(n-1)), so
+    (6, 7) rounds to 6 and saturation needs no extra step. The sign is copied by bits: a
+    negative value that rounds to zero gives -0, which the reference writes as +0 (equal values).
+    """
+    mag = tl.abs(v)
+    magic = tl.where(mag < 2.0, 4194304.0, tl.where(mag < 4.0, 8388608.0, 16777216.0))
+    rounded = (mag + magic) - magic
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+    return (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def qdq_mxfp4_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """MXFP4 quantize-dequantize of an fp32 [ROWS, COLS] tile (COLS a multiple of 32), per 32
+    consecutive columns, with Quark's "even" scale: amax rounded at fp32 mantissa bit 21,
+    exponent floor(log2) - 2 clamped to [-127, 127]; a block holding NaN/inf becomes NaN."""
+    blocks = tl.reshape(x, [ROWS, COLS // 32, 32])
+    amax = tl.max(tl.abs(blocks), axis=2)
+    bits = amax.to(tl.int32, bitcast=True)
+    field = ((bits + (1 << 21)) >> 23) & 0xFF
+    exponent = tl.where(field == 255, 127, tl.minimum(tl.maximum(field - 129, -127), 127))
+    finite = (bits & 0x7F800000) != 0x7F800000
+    scale = tl.where(finite, e8m0_to_fp32(exponent + 127), float("nan"))
+    inv_scale = e8m0_to_fp32(127 - exponent)  # 2^-exponent, exact (multiplying by it = dividing)
+    q = round_to_e2m1(blocks * inv_scale[:, :, None]) * scale[:, :, None]
+    return tl.reshape(q, [ROWS, COLS])
+
+
+@triton.jit
+def load_activation(
+    ptrs, mask, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, DOT_DTYPE: tl.constexpr
+):
+    """Load an activation tile [ROWS, COLS] (zeros where masked) in DOT_DTYPE, QDQ'd if QUANTIZE
+    (and rounded back to its own dtype, as the reference's qdq_mxfp4 returns it)."""
+    a = tl.load(ptrs, mask=mask, other=0.0)
+    if QUANTIZE:
+        a = qdq_mxfp4_blocks(a.to(tl.float32), ROWS, COLS).to(ptrs.dtype.element_ty)
+    return a.to(DOT_DTYPE)
+
+
+@triton.jit
+def mxfp4_dot(
+    acc, a, w_rows, s_rows, n_valid, k0, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
+):
+    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T for MXFP4 W.
+
+    w_rows / s_rows: [BLOCK_N] pointers to the packed row / scale row of each output column
+    (int64 offsets formed by the caller); n_valid masks columns past N; K a multiple of 32.
+    PTX_DECODE (compiled CUDA, bf16 dots) decodes with `e2m1_pair_to_bf16_ptx` and scales in
+    bf16 (exact: a power of two times an E2M1 value stays in bf16's fp32-sized range).
+    """
+    groups = tl.arange(0, BLOCK_K // 32)
+    k_valid = (k0 + groups * 32) < K  # whole 32-blocks are in or out
+    scale_bytes = tl.load(s_rows[:, None] + k0 // 32 + groups[None, :],
+                          mask=n_valid[:, None] & k_valid[None, :], other=127)
+    byte_offs = k0 // 2 + groups[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16]
+    mask = n_valid[:, None, None] & k_valid[None, :, None]
+    packed = tl.load(w_rows[:, None, None] + byte_offs[None, :, :], mask=mask, other=0)
+    if PTX_DECODE:
+        scale = e8m0_to_bf16(scale_bytes)[:, :, None]
+        lo, hi = e2m1_pair_to_bf16_ptx(packed)
+    else:
+        scale = e8m0_to_fp32(scale_bytes)[:, :, None]
+        lo, hi = e2m1_pair_to_fp32(packed)
+    w_even = tl.reshape((lo * scale).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
+    w_odd = tl.reshape((hi * scale).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
+    a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
+    acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision=DOT_PRECISION)
+    return tl.dot(a_odd, tl.trans(w_odd), acc, input_precision=DOT_PRECISION)
+
+
+def check_mxfp4_weight(name: str, weight, scale, scale_name: str, k: int | None = None) -> None:
+    """Raise ValueError unless weight [..., K/2] and scale [..., K/32] are uint8 and agree."""
+    for n, t in ((name, weight), (scale_name, scale)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+            raise ValueError(f"{n} must be a uint8 tensor (MXFP4 packed bytes / E8M0 scales), "
+                             f"got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{n} must be contiguous in its last dim, got strides {t.stride()}")
+    if weight.shape[:-1] != scale.shape[:-1] or weight.shape[-1] * 2 != scale.shape[-1] * MX_BLOCK:
+        raise ValueError(
+            f"{scale_name} shape {tuple(scale.shape)} does not match {name} shape {tuple(weight.shape)}: "
+            f"expected [..., {weight.shape[-1] * 2 // MX_BLOCK}] (one E8M0 byte per 32 K elements)"
+        )
+    if k is not None and weight.shape[-1] * 2 != k:
+        raise ValueError(f"{name} shape {tuple(weight.shape)} packs {weight.shape[-1] * 2} K elements, "
+                         f"the input has {k}")

@@ -1,0 +1,265 @@
+"""Fused MoE over MXFP4 experts (Quark's released layout), activation QDQ fused in.
+
+    a = qdq_mxfp4(x) if quantize_activations else x
+    per (token t, slot k), e = topk_ids[t, k]:
+        h = silu(a[t] @ W13[e][:I]^T) * (a[t] @ W13[e][I:]^T)      fp32, rounded to x's dtype
+        h = qdq_mxfp4(h) if quantize_activations
+        out[t] += topk_weights[t, k] * (h @ W2[e]^T)
+
+Structure of `fused_moe` (same routing alignment, `moe_align_block_size`): pairs sorted by
+expert and padded to BLOCK_M, a grouped GEMM over (M block, N tile) programs that exit past the
+used length, then the sum over a token's K rows. The MXFP4 parts (see `_mxfp4`):
+- weights: packed bytes and E8M0 scales are read and dequantized in registers; with decode's
+  one or two pairs per expert every weight byte is read once per expert hit;
+- GEMM 1 QDQs its activation tile on load and ends with silu(gate) * up, rounded to x's dtype
+  and QDQ'd per 32 columns (its N tile is a multiple of 32): GEMM 2 reads h ready to use;
+- decode (T <= 32 tokens x top-8) touches few experts and GEMM 1 has few columns (2I = 512 per
+  Kimi TP8 rank) against a long K (7168): its tiles alone cannot fill the GPU, so K is split
+  over SPLIT_K programs writing fp32 partials and `_gate_up_splits_kernel` sums them in a fixed
+  order before the same epilogue (deterministic). GEMM 2 has N = H columns: never split.
+- the K partial outputs of a token are written in x's dtype and summed in fp32 (torch.sum),
+  as `fused_moe` does: exact in fp32; in bf16 each partial is rounded once before the sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_rocm._mxfp4 import (
+    MX_BLOCK,
+    check_mxfp4_weight,
+    load_activation,
+    mxfp4_dot,
+    qdq_mxfp4_blocks,
+)
+from kernels_rocm._util import (
+    IS_HIP,
+    SUPPORTED_DTYPES,
+    check_dim,
+    check_same_device,
+    check_tensor,
+    dot_precision,
+)
+from kernels_rocm.fused_moe import choose_block_m, moe_align_block_size
+from kernels_rocm.mxfp4_linear import GemmConfig, choose_split_k, dot_dtype, ptx_decode, split_k_range
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch configuration of both grouped GEMMs (block_m is shared: one routing alignment)."""
+
+    gate_up: GemmConfig
+    down: GemmConfig
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                   device: torch.device) -> MoeConfig:
+    """64 gate + 64 up rows per GEMM 1 program (each activation tile is loaded and QDQ'd for more
+    weight rows: 2-15% faster than 32 in the H100 sweeps of ci/bench_mxfp4.py), 64 output columns
+    per GEMM 2 program, K tiles of 128; GEMM 1 split along K while the grid is small."""
+    num_pairs = num_tokens * top_k
+    block_m = choose_block_m(num_pairs, num_experts)
+    stages = 2 if IS_HIP else 3
+    # M blocks in use: about one per expert hit while experts get <= block_m pairs each
+    m_blocks = min(triton.cdiv(num_pairs, block_m) + num_experts, num_pairs)
+    gate_up_tiles = m_blocks * triton.cdiv(inter, 64)
+    split = choose_split_k(gate_up_tiles, hidden, 128, device)
+    return MoeConfig(
+        gate_up=GemmConfig(block_m, 64, 128, split, num_warps=4, num_stages=stages),
+        down=GemmConfig(block_m, 64, 128, 1, num_warps=4, num_stages=stages),
+    )
+
+
+@triton.jit
+def _gate_up_epilogue(gate, up, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """silu(gate) * up (fp32) rounded to the activation dtype, then MXFP4 QDQ'd if QUANTIZE."""
+    h = (gate * tl.sigmoid(gate) * up).to(OUT_DTYPE)
+    if QUANTIZE:
+        h = qdq_mxfp4_blocks(h.to(tl.float32), ROWS, COLS).to(OUT_DTYPE)
+    return h
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _mxfp4_moe_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, c_ptr, part_ptr, topk_weights_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    num_pairs, N, K,
+    stride_am: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
+    stride_se: tl.int64, stride_sn: tl.int64, stride_cm: tl.int64,
+    A_ROWS_PER_PAIR_DIV: tl.constexpr,  # activation row = pair id // this (top_k for x, 1 for h)
+    GATE_UP: tl.constexpr,  # weight rows [0, N) are gate, [N, 2N) up; epilogue silu(gate) * up
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # QDQ the activation tile on load and h in the GATE_UP epilogue
+    SPLIT_K: tl.constexpr,  # > 1: write fp32 partials [SPLIT_K, num_pairs, 2N] (GATE_UP only)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair_valid = pair < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + (pair // A_ROWS_PER_PAIR_DIV)[:, None] * stride_am
+    w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
+    s_rows = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first, last = split_k_range(K, split, BLOCK_K, SPLIT_K)
+    for tile in range(first, last):
+        k0 = tile * BLOCK_K
+        a = load_activation(
+            a_rows + k0 + offs_k[None, :], pair_valid[:, None] & (k0 + offs_k < K)[None, :],
+            QUANTIZE, BLOCK_M, BLOCK_K, DOT_DTYPE,
+        )
+        acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+        if GATE_UP:
+            acc_up = mxfp4_dot(acc_up, a, w_rows + N * stride_wn, s_rows + N * stride_sn, n_valid, k0, K,
+                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+
+    mask = pair_valid[:, None] & n_valid[None, :]
+    if SPLIT_K > 1:
+        part = part_ptr + (split * num_pairs + pair)[:, None] * (2 * N) + offs_n[None, :]
+        tl.store(part, acc, mask=mask)
+        tl.store(part + N, acc_up, mask=mask)
+    else:
+        if GATE_UP:
+            out = _gate_up_epilogue(acc, acc_up, QUANTIZE, BLOCK_M, BLOCK_N, c_ptr.dtype.element_ty)
+        else:
+            out = acc
+        if MUL_ROUTED_WEIGHT:
+            out = out * tl.load(topk_weights_ptr + pair, mask=pair_valid, other=0.0)[:, None]
+        tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_splits_kernel(
+    part_ptr, h_ptr, num_pairs, N, stride_hm: tl.int64,
+    QUANTIZE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """h[pair] = epilogue(sum over splits of the gate and up partials), splits summed in order."""
+    pair = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < N
+    gate = tl.zeros([BLOCK], dtype=tl.float32)
+    up = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        row = part_ptr + (s * num_pairs + pair) * (2 * N)
+        gate += tl.load(row + offs, mask=valid, other=0.0)
+        up += tl.load(row + N + offs, mask=valid, other=0.0)
+    h = _gate_up_epilogue(gate[None, :], up[None, :], QUANTIZE, 1, BLOCK, h_ptr.dtype.element_ty)
+    tl.store(h_ptr + pair * stride_hm + offs[None, :], h, mask=valid[None, :])
+
+
+def _launch_gemm(
+    a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int, a_rows_per_pair_div: int,
+    gate_up: bool, quantize: bool, cfg: GemmConfig,
+) -> None:
+    sorted_ids, expert_ids, num_padded = routing
+    num_pairs = c.shape[0]
+    k = a.shape[1]
+    part = c
+    if cfg.split_k > 1:
+        part = torch.empty(cfg.split_k, num_pairs, 2 * n, dtype=torch.float32, device=c.device)
+    grid = (expert_ids.shape[0], triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _mxfp4_moe_gemm_kernel[grid](
+        a, w, s, c, part, topk_weights,
+        sorted_ids, expert_ids, num_padded,
+        num_pairs, n, k,
+        a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), c.stride(0),
+        A_ROWS_PER_PAIR_DIV=a_rows_per_pair_div, GATE_UP=gate_up, MUL_ROUTED_WEIGHT=not gate_up,
+        QUANTIZE=quantize, SPLIT_K=cfg.split_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_DTYPE=dot_dtype(a.dtype), DOT_PRECISION=dot_precision(a.dtype), PTX_DECODE=ptx_decode(a.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.split_k > 1:
+        block = min(256, triton.next_power_of_2(n))
+        _gate_up_splits_kernel[(num_pairs, triton.cdiv(n, block))](
+            part, c, num_pairs, n, c.stride(0), QUANTIZE=quantize, SPLIT_K=cfg.split_k, BLOCK=block,
+        )
+
+
+def _check_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids) -> None:
+    check_tensor("x", x, 2, SUPPORTED_DTYPES)
+    check_tensor("w13", w13, 3)
+    check_tensor("w2", w2, 3)
+    check_tensor("topk_weights", topk_weights, 2, (torch.float32,))
+    check_tensor("topk_ids", topk_ids, 2, (torch.int32, torch.int64))
+    hidden = x.shape[1]
+    if hidden % MX_BLOCK:
+        raise ValueError(f"x has shape {tuple(x.shape)}: hidden size must be a multiple of {MX_BLOCK}")
+    check_mxfp4_weight("w13", w13, w13_scale, "w13_scale", hidden)
+    check_mxfp4_weight("w2", w2, w2_scale, "w2_scale")
+    if w13.shape[1] % 2:
+        raise ValueError(f"w13 has shape {tuple(w13.shape)}: dim 1 must be 2 * intermediate (gate rows, then up)")
+    inter = w13.shape[1] // 2
+    check_dim("w2", w2, 0, w13.shape[0], "w13's experts")
+    check_dim("w2", w2, 1, hidden, "x's hidden size")
+    check_dim("w2", w2, 2, inter // 2, "intermediate / 2 packed bytes, w13's dim 1 is 2 * intermediate")
+    if inter % MX_BLOCK:
+        raise ValueError(f"w13 has shape {tuple(w13.shape)}: intermediate size {inter} must be a multiple of {MX_BLOCK}")
+    if topk_ids.shape != topk_weights.shape:
+        raise ValueError(f"topk_ids shape {tuple(topk_ids.shape)} must equal topk_weights shape {tuple(topk_weights.shape)}")
+    check_dim("topk_ids", topk_ids, 0, x.shape[0], "x's tokens")
+    if not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+        raise ValueError("topk_ids and topk_weights must be contiguous")
+    check_same_device(x=x, w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale,
+                      topk_weights=topk_weights, topk_ids=topk_ids)
+
+
+def fused_moe_mxfp4(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    quantize_activations: bool,
+    out: torch.Tensor | None = None,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Routed MXFP4 experts: x [T, H] (bf16/fp16/fp32), w13 uint8 [E, 2I, H/2] (gate rows then up
+    rows) with w13_scale uint8 E8M0 [E, 2I, H/32], w2 uint8 [E, H, I/2] with w2_scale [E, H, I/32],
+    topk_weights [T, K] fp32, topk_ids [T, K] int32/int64 in [0, E). Returns [T, H] in x's dtype
+    (or writes `out`). Graph-capturable; `config` overrides the launch choice (benchmarks)."""
+    _check_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if num_tokens == 0:
+        return out
+
+    cfg = config or default_config(num_tokens, top_k, num_experts, hidden, inter, x.device)
+    if cfg.gate_up.block_m != cfg.down.block_m:
+        raise ValueError(f"config: both GEMMs share one routing alignment, got block_m "
+                         f"{cfg.gate_up.block_m} and {cfg.down.block_m}")
+    if quantize_activations and cfg.gate_up.split_k == 1 and cfg.gate_up.block_n % MX_BLOCK:
+        raise ValueError(f"config: the gate/up N tile must be a multiple of {MX_BLOCK} (h is QDQ'd per tile)")
+    if cfg.down.split_k != 1:
+        raise ValueError("config: the down GEMM is never split along K (it has H output columns)")
+    num_pairs = num_tokens * top_k
+    routing = moe_align_block_size(topk_ids, num_experts, cfg.gate_up.block_m)
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _launch_gemm(x, w13, w13_scale, h, topk_weights, routing, inter, top_k, True, quantize_activations, cfg.gate_up)
+    partial = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _launch_gemm(h, w2, w2_scale, partial, topk_weights, routing, hidden, 1, False, False, cfg.down)  # h is QDQ'd
+    torch.sum(partial.view(num_tokens, top_k, hidden), dim=1, out=out)
+    return out

@@ -1,0 +1,263 @@
+"""Compiled MXFP4 GEMMs and FP8-KV attention against the fp32 references at model sizes (GPU).
+
+Run: python -m pytest tests/gpu/test_kernels_mxfp4_gpu.py -q   (about 1-2 minutes on an H100,
+mostly compilation; peak memory about 12 GB).
+
+Tolerance as in test_kernels_gpu.py: bf16 kernels vs fp32 references built from the same inputs
+(weights dequantized by model_ops.quant.mxfp4, activations QDQ'd by qdq_mxfp4, fp8 caches
+dequantized by model_ops.quant.fp8), relative error ||out - ref|| / ||ref|| < 1e-2, all finite.
+Sizes: Kimi-K2.5 TP8 rank (E384, top-8, H7168, I256) and the full expert width (I2048, fewer
+experts to bound memory), the TP8 shared-expert and dense shapes, Kimi MLA 8 heads 512+64 with
+fp8 latent rows in a pool past 4 GiB (block ids >= 65,536), the EAGLE3 MHA draft; graph
+capture and replay with new routing / new scale values.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from _kernel_cases import make_metadata, metadata_args  # tests/ is on sys.path via tests/conftest.py
+from kernels_rocm._mxfp4 import e2m1_pair_to_bf16_ptx, e8m0_to_bf16
+from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache
+from kernels_rocm.mla_decode import mla_paged_attention
+from kernels_rocm.mxfp4_linear import mxfp4_linear
+from kernels_rocm.mxfp4_moe import fused_moe_mxfp4
+from kernels_rocm.paged_attention import paged_attention
+from model_ops.attention import torch_ref
+from model_ops.attention.metadata import AttentionMetadata
+from model_ops.quant.fp8 import dequantize_fp8, quantize_fp8
+from model_ops.quant.mxfp4 import dequantize_mxfp4, qdq_mxfp4
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+
+DEVICE = "cuda"
+REL_TOL = 1e-2
+
+
+def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float = REL_TOL) -> None:
+    out = out.float()
+    assert torch.isfinite(out).all(), "output has non-finite elements"
+    rel = ((out - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < tol, f"relative error {rel:.3e} >= {tol}"
+
+
+def random_mxfp4(*shape, g, low=116, high=124):
+    """Packed random codes and E8M0 bytes around the scales of real LLM weights (2^-11 .. 2^-4)."""
+    packed = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), generator=g, device=DEVICE, dtype=torch.uint8)
+    scale = torch.randint(low, high, (*shape[:-1], shape[-1] // 32), generator=g, device=DEVICE, dtype=torch.uint8)
+    return packed, scale
+
+
+def moe_reference(x, w13, s13, w2, s2, topk_weights, topk_ids, quantize):
+    """The contract's semantics in fp32 (bf16 roundings of the activations kept), looping over
+    the experts hit."""
+    inter = w13.shape[1] // 2
+    a = qdq_mxfp4(x) if quantize else x
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        token, slot = (topk_ids == e).nonzero(as_tuple=True)
+        gate_up = a[token].float() @ dequantize_mxfp4(w13[e], s13[e]).T
+        h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+        if quantize:
+            h = qdq_mxfp4(h)
+        y = h.float() @ dequantize_mxfp4(w2[e], s2[e]).T
+        out.index_add_(0, token, y * topk_weights[token, slot, None])
+    return out
+
+
+MOE_SHAPES = {"kimi_tp8": (384, 8, 7168, 256), "kimi_full_width_e32": (32, 8, 7168, 2048)}
+
+
+def moe_inputs(shape, num_tokens, seed=0):
+    num_experts, top_k, hidden, inter = MOE_SHAPES[shape]
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    w13, s13 = random_mxfp4(num_experts, 2 * inter, hidden, g=g)
+    w2, s2 = random_mxfp4(num_experts, hidden, inter, g=g)
+    x = torch.randn(num_tokens, hidden, generator=g, device=DEVICE).bfloat16()
+    scores = torch.rand(num_tokens, num_experts, generator=g, device=DEVICE)
+    weights, ids = scores.topk(top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).contiguous()
+    return x, w13, s13, w2, s2, weights, ids.to(torch.int32).contiguous()
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+@pytest.mark.parametrize("num_tokens", [1, 7, 32, 256])
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_fused_moe_mxfp4(shape, num_tokens, quantize):
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize,
+                          out=torch.full_like(x, float("nan")))
+    assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
+
+
+def test_e8m0_bytes_0_and_254_compiled():
+    """Byte 0 (2^-127, an fp32 subnormal) and 254 (2^127) decode exactly in compiled code too
+    (no flush to zero, no overflow): fp32 activations, fp32 dots."""
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    packed, scale = random_mxfp4(64, 128, g=g)
+    scale[:, 0], scale[:, -1] = 0, 254
+    packed[:, -16:] &= 0xBB  # magnitudes <= 1.5 under 2^127
+    x = torch.randn(5, 128, generator=g, device=DEVICE)
+    x[:, :32] *= 2.0**120
+    x[:, -32:] *= 2.0**-126
+    ref = x @ dequantize_mxfp4(packed, scale).T
+    out = mxfp4_linear(x, packed, scale, None, quantize_activations=False)
+    assert_rel_close(out, ref, tol=1e-5)
+
+
+@triton.jit
+def _decode_probe_kernel(packed_ptr, scale_ptr, out_ptr):
+    """One 32-element block per program: the CUDA decode + bf16 scaling the GEMMs use."""
+    row = tl.program_id(0)
+    packed = tl.load(packed_ptr + row * 16 + tl.arange(0, 16))
+    lo, hi = e2m1_pair_to_bf16_ptx(packed)
+    scale = e8m0_to_bf16(tl.load(scale_ptr + row))
+    tl.store(out_ptr + row * 32 + tl.arange(0, 32), tl.interleave(lo * scale, hi * scale))
+
+
+@pytest.mark.skipif(torch.version.hip is not None, reason="the PTX decode is the CUDA path")
+def test_ptx_decode_is_exact_for_every_byte_and_scale():
+    """Every packed byte (both nibbles, each byte position of a 32-bit word) under every E8M0
+    byte 0..254 equals dequantize_mxfp4 rounded to bf16 bit for bit (2^-127 subnormals, inf past
+    bf16's range included)."""
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(16, 16)
+    scales = torch.arange(255, dtype=torch.uint8, device=DEVICE)
+    packed = codes.repeat(255, 1)  # [255 * 16, 16]
+    scale = scales.repeat_interleave(16)[:, None]  # [255 * 16, 1]
+    out = torch.empty(packed.shape[0], 32, dtype=torch.bfloat16, device=DEVICE)
+    _decode_probe_kernel[(packed.shape[0],)](packed, scale, out)
+    expected = dequantize_mxfp4(packed, scale).bfloat16()
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
+LINEAR_SHAPES = {"shared_gate_up_tp8": (512, 7168), "shared_down_tp8": (7168, 256), "dense_down_tp8": (7168, 2304)}
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+@pytest.mark.parametrize("num_tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("shape", list(LINEAR_SHAPES))
+def test_mxfp4_linear(shape, num_tokens, quantize):
+    n, k = LINEAR_SHAPES[shape]
+    g = torch.Generator(device=DEVICE).manual_seed(num_tokens)
+    packed, scale = random_mxfp4(n, k, g=g)
+    x = torch.randn(num_tokens, k, generator=g, device=DEVICE).bfloat16()
+    bias = torch.randn(n, generator=g, device=DEVICE).bfloat16()
+    out = mxfp4_linear(x, packed, scale, bias, quantize_activations=quantize)
+    a = qdq_mxfp4(x) if quantize else x
+    assert_rel_close(out, a.float() @ dequantize_mxfp4(packed, scale).T + bias.float())
+
+
+def _capture(fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+def test_fused_moe_mxfp4_graph_replay_with_new_routing(quantize):
+    x, w13, s13, w2, s2, weights, ids = moe_inputs("kimi_tp8", 16, seed=5)
+    graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize))
+    for seed in (6, 7):
+        x2, _, _, _, _, weights2, ids2 = moe_inputs("kimi_tp8", 16, seed=seed)
+        x.copy_(x2)
+        weights.copy_(weights2)
+        ids.copy_(ids2)
+        graph.replay()
+        assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
+
+
+# ------------------------------------------------------------------------------------ FP8 KV
+
+LATENT, ROPE = 512, 64
+
+
+def _device_metadata(q_lens, ctx_lens, block_size, num_blocks, first_block_id=0, seed=0) -> AttentionMetadata:
+    meta = make_metadata(q_lens, ctx_lens, block_size, num_blocks, torch.Generator().manual_seed(seed), first_block_id)
+    return AttentionMetadata(meta.query_start_loc.to(DEVICE), meta.context_lens.to(DEVICE),
+                             meta.block_tables.to(DEVICE), meta.slot_mapping.to(DEVICE),
+                             meta.max_query_len, meta.max_context_len)
+
+
+def test_fp8_mla_write_then_attend_past_4gib():
+    """Kimi latent rows in fp8 (576 B/token), 64-token blocks, 140,000 blocks = 5.2 GB: block
+    65,536 starts at 2.4 GB, the tables use ids >= 65,536 and >= 116,509 (past 4 GiB);
+    decode at 32k and verify rows."""
+    block_size, num_blocks, heads = 64, 140_000, 8
+    scale = torch.tensor([0.05], device=DEVICE)
+    cache = torch.empty(num_blocks, block_size, LATENT + ROPE, device=DEVICE, dtype=torch.float8_e4m3fn)
+    cache.view(torch.uint8).random_(0, 0x7E)  # finite positive and negative codes below NaN
+    cache.view(torch.uint8)[..., ::2] |= 0x80
+    assert cache.numel() > 4 * 2**30
+    for first_block, (q_lens, ctx_lens) in [(65_536, ([1, 1, 4], [32768, 999, 8000])), (116_509, ([4, 1], [300, 5000]))]:
+        meta = _device_metadata(q_lens, ctx_lens, block_size, num_blocks, first_block_id=first_block)
+        tokens = sum(q_lens)
+        g = torch.Generator(device=DEVICE).manual_seed(first_block)
+        c_kv = torch.randn(tokens, LATENT, generator=g, device=DEVICE).bfloat16()
+        k_pe = torch.randn(tokens, ROPE, generator=g, device=DEVICE).bfloat16()
+        write_mla_kv_cache(c_kv, k_pe, cache, meta.slot_mapping, scale=scale)
+        written = cache.view(torch.uint8).flatten(0, 1)[meta.slot_mapping]
+        assert torch.equal(written, quantize_fp8(torch.cat([c_kv, k_pe], -1), scale, cache.dtype).view(torch.uint8))
+        q = torch.randn(tokens, heads, LATENT + ROPE, generator=g, device=DEVICE).bfloat16()
+        blocks = meta.block_tables.unique().long()
+        dense = dequantize_fp8(cache[blocks], scale)  # only the blocks in use, fp32
+        remap = torch.full((num_blocks,), -1, dtype=torch.int32, device=DEVICE)
+        remap[blocks] = torch.arange(blocks.numel(), dtype=torch.int32, device=DEVICE)
+        local = AttentionMetadata(meta.query_start_loc, meta.context_lens, remap[meta.block_tables.long()],
+                                  meta.slot_mapping, meta.max_query_len, meta.max_context_len)
+        ref = torch_ref.paged_attention(q.float(), dense.unsqueeze(2), dense[..., :LATENT].unsqueeze(2), local, 0.072)
+        for splits in (None, 1, 8):
+            out = mla_paged_attention(q[..., :LATENT], q[..., LATENT:], cache, *metadata_args(meta), 0.072,
+                                      kv_scale=scale, num_kv_splits=splits)
+            assert_rel_close(out, ref)
+    del cache
+    torch.cuda.empty_cache()
+
+
+def test_fp8_mha_write_then_attend():
+    """EAGLE3 draft cache (8 kv heads x 128) in fp8 with separate K and V scales."""
+    q_lens, ctx_lens = [1, 1, 4, 1], [32768, 8191, 700, 17]
+    num_blocks = sum(-(-c // 16) for c in ctx_lens) + 64
+    meta = _device_metadata(q_lens, ctx_lens, 16, num_blocks)
+    k_scale, v_scale = torch.tensor([0.02], device=DEVICE), torch.tensor([0.011], device=DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    k_cache = quantize_fp8(torch.randn(num_blocks, 16, 8, 128, generator=g, device=DEVICE) * 3, k_scale, torch.float8_e4m3fn)
+    v_cache = quantize_fp8(torch.randn(num_blocks, 16, 8, 128, generator=g, device=DEVICE) * 3, v_scale, torch.float8_e4m3fn)
+    tokens = sum(q_lens)
+    key, value = torch.randn(2, tokens, 8, 128, generator=g, device=DEVICE).bfloat16()
+    write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    slots = meta.slot_mapping
+    assert torch.equal(k_cache.view(torch.uint8).flatten(0, 1)[slots],
+                       quantize_fp8(key, k_scale, k_cache.dtype).view(torch.uint8))
+    q = torch.randn(tokens, 8, 128, generator=g, device=DEVICE).bfloat16()
+    ref = torch_ref.paged_attention(q.float(), dequantize_fp8(k_cache, k_scale), dequantize_fp8(v_cache, v_scale), meta, 0.088)
+    for splits in (None, 1, 16):
+        out = paged_attention(q, k_cache, v_cache, *metadata_args(meta), 0.088, k_scale=k_scale, v_scale=v_scale,
+                              num_kv_splits=splits)
+        assert_rel_close(out, ref)
+
+
+def test_fp8_scale_is_read_at_replay():
+    """The scale is a device tensor: a graph captured with one value reads the new value on replay."""
+    meta = _device_metadata([1, 1], [4000, 77], 16, 300)
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    scale = torch.tensor([1.0], device=DEVICE)
+    cache = quantize_fp8(torch.randn(300, 16, LATENT + ROPE, generator=g, device=DEVICE), scale, torch.float8_e4m3fn)
+    q = torch.randn(2, 8, LATENT + ROPE, generator=g, device=DEVICE).bfloat16()
+    graph, out = _capture(lambda: mla_paged_attention(q[..., :LATENT], q[..., LATENT:], cache,
+                                                      *metadata_args(meta), 0.072, kv_scale=scale))
+    for value in (1.0, 0.25, 3.0):
+        scale.fill_(value)
+        graph.replay()
+        rows = dequantize_fp8(cache, scale)
+        assert_rel_close(out, torch_ref.paged_attention(q.float(), rows.unsqueeze(2), rows[..., :LATENT].unsqueeze(2),
+                                                        meta, 0.072))

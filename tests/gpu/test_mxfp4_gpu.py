@@ -1,0 +1,89 @@
+"""GPU checks of MXFP4 models and the fp8 KV cache on tiny-kimi-mxfp4 (built into the zoo cache
+on first use; skipped without CUDA/ROCm): the Triton MXFP4 kernels against the PyTorch
+dequantize reference inside the engine, fp8 KV through the Triton attention kernels against the
+torch reference backend, and CUDA graphs (target step and draft loop) over both, token for token
+against eager.
+
+bf16 tolerances: kernels and reference differ only in accumulation order and in the operand
+precision of the dot, so their logits must stay within 2% of the logit range and pick the same
+argmax at >= 97% of positions (an MXFP4 activation code can flip on a 1-ulp bf16 difference).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from atom_like import LLMEngine, SamplingParams
+from atom_like.zoo import resolve
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+KERNELS = all(importlib.util.find_spec(m) is not None for m in ("kernels_rocm.mxfp4_moe", "kernels_rocm.mxfp4_linear"))
+KW = dict(dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.3, max_num_seqs=16)
+
+
+def batch(n: int = 6, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[1] + [int(x) for x in rng.integers(20, 8000, int(rng.integers(16, 120)))] for _ in range(n)]
+
+
+def compare(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
+    err = max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in zip(a, b))
+    agree = sum(int((x.argmax(-1) == y.argmax(-1)).sum()) for x, y in zip(a, b)) / sum(len(y) for y in b)
+    print(f"{what}: relative logit error {err:.2e}, argmax agreement {agree:.1%}")
+    assert err < 2e-2 and agree >= 0.97, what
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(resolve("tiny-kimi-mxfp4"))
+
+
+@pytest.mark.skipif(not KERNELS, reason="kernels_rocm has no MXFP4 kernels here")
+def test_mxfp4_kernels_match_the_reference_in_the_engine(model, monkeypatch):
+    from test_llama_parity import prefill_logits
+
+    from model_ops.quant import mxfp4_layers
+
+    prompts = batch()
+    for activations in ("checkpoint", "unquantized"):
+        kernels = LLMEngine(model, enforce_eager=True, mxfp4_activations=activations, **KW)
+        experts = kernels.runner.model.language_model.model.layers[1].mlp.experts
+        assert experts.impl.__module__ == "kernels_rocm.mxfp4_moe"
+        got = prefill_logits(kernels, prompts)
+        del kernels
+        with monkeypatch.context() as mp:
+            mp.setattr(mxfp4_layers, "select_mxfp4_linear_impl", lambda device: mxfp4_layers.mxfp4_linear_reference)
+            mp.setattr(mxfp4_layers, "select_mxfp4_experts_impl", lambda device: mxfp4_layers.fused_moe_mxfp4_reference)
+            reference = LLMEngine(model, enforce_eager=True, mxfp4_activations=activations, **KW)
+            expected = prefill_logits(reference, prompts)
+        compare(got, expected, f"MXFP4 kernels vs reference ({activations} activations)")
+
+
+def test_fp8_kv_triton_matches_the_torch_backend(model):
+    from test_llama_parity import prefill_logits
+
+    prompts = batch(seed=1)
+    got = prefill_logits(LLMEngine(model, enforce_eager=True, kv_cache_dtype="fp8", attention_backend="triton", **KW),
+                         prompts)
+    expected = prefill_logits(LLMEngine(model, enforce_eager=True, kv_cache_dtype="fp8", attention_backend="torch",
+                                        **KW), prompts)
+    compare(got, expected, "fp8 KV: Triton attention vs torch reference")
+
+
+@pytest.mark.skipif(not KERNELS, reason="the MXFP4 reference reads routing on the host: no graphs without kernels")
+@pytest.mark.parametrize("draft", ["tiny-kimi-eagle3", "tiny-kimi-eagle3-mla"])
+def test_graphs_replay_eager_with_fp8_kv_and_a_draft(model, draft):
+    """Scales are device tensors bound once: the captured target step and draft loop see them."""
+    kw = dict(KW, kv_cache_dtype="fp8", method="eagle3", draft_model=str(resolve(draft)), num_speculative_tokens=3)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = batch(4, seed=2)
+    eager = LLMEngine(model, enforce_eager=True, **kw)
+    expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+    graphed = LLMEngine(model, **kw)
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.draft[1].graph is not None
+    assert [o.token_ids for o in graphed.generate(prompts, params, use_tqdm=False)] == expected
+    assert graphed.runner.kv_caches["eagle3_kv_cache"].dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)

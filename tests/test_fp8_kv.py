@@ -1,0 +1,167 @@
+"""FP8 (e4m3) KV cache: the torch reference's rounding checked independently, per-tensor scales
+from the checkpoint (else 1.0 and one warning), the fp8 pools and scale tensors of the target and
+of EAGLE3 drafts, and speculation over an fp8 cache staying lossless."""
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_llama_parity import PROMPTS
+
+from atom_like import LLMEngine, SamplingParams
+from model_ops.attention import torch_ref
+from model_ops.attention.metadata import AttentionMetadata
+
+E4M3 = torch.float8_e4m3fn
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def e4m3_round(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest e4m3fn value (ties to even) by enumerating all 256 codes; saturate."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
+    grid = codes[codes.isfinite()].unique()  # sorted, -448 .. 448
+    x = x.clamp(-448, 448)
+    hi = torch.searchsorted(grid, x).clamp(1, len(grid) - 1)
+    lo_v, hi_v = grid[hi - 1], grid[hi]
+    hi_even = (hi_v.to(E4M3).view(torch.uint8) & 1) == 0  # grid values convert exactly: their codes
+    pick_hi = (hi_v - x < x - lo_v) | ((hi_v - x == x - lo_v) & hi_even)
+    return torch.where(pick_hi, hi_v, lo_v)
+
+
+def test_write_rounds_to_nearest_e4m3_and_saturates():
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(6, 2, 8, generator=g) * 30
+    values[0, 0, 0], values[1, 1, 1] = 5000.0, -1e9  # beyond the range: saturate, never NaN
+    scale = torch.tensor([0.37])
+    cache = torch.zeros(4, 2, 2, 8, dtype=E4M3)
+    slots = torch.tensor([0, 3, 4, -1, 6, 7])  # -1: a padding row, not written
+    torch_ref.write_cache(cache, values, slots, scale)
+    stored = cache.flatten(0, 1).float()
+    keep = slots >= 0
+    # independent reference: nearest representable e4m3 value of x / scale (the grid's ties)
+    assert torch.equal(stored[slots[keep]], e4m3_round(values[keep] / scale))
+    assert stored[0, 0, 0] == 448 and stored[3, 1, 1] == -448
+    assert not stored.isnan().any() and stored[1].abs().sum() == 0  # untouched slot (row 3's -1)
+
+
+def _meta(lens: list[int], block_size: int) -> AttentionMetadata:
+    blocks = [-(-n // block_size) for n in lens]
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = torch.arange(start, start + n)
+        start += n
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    pos = [torch.arange(n) for n in lens]
+    slots = torch.cat([tables[i, p // block_size].long() * block_size + p % block_size for i, p in enumerate(pos)])
+    return AttentionMetadata(query_start_loc=qsl, context_lens=torch.tensor(lens, dtype=torch.int32),
+                             block_tables=tables, slot_mapping=slots, max_query_len=max(lens),
+                             max_context_len=max(lens))
+
+
+def test_fp8_reads_equal_a_float_cache_of_the_dequantized_values():
+    """Attention over an fp8 cache == attention over a float cache holding entry * scale, for MHA
+    (K and V scales) and both MLA forms (one scale for the 576-style row)."""
+    g = torch.Generator().manual_seed(1)
+    meta = _meta([5, 11], block_size=4)
+    t = 16
+    k, v, q = (torch.randn(t, 2, 8, generator=g) * 3 for _ in range(3))
+    k_scale, v_scale = torch.tensor([0.05]), torch.tensor([0.02])
+    fp8 = torch.zeros(2, 8, 4, 2, 8, dtype=E4M3)
+    torch_ref.write_cache(fp8[0], k, meta.slot_mapping, k_scale)
+    torch_ref.write_cache(fp8[1], v, meta.slot_mapping, v_scale)
+    dense = torch.stack([fp8[0].float() * k_scale, fp8[1].float() * v_scale])
+    got = torch_ref.paged_attention(q, fp8[0], fp8[1], meta, 0.3, k_scale, v_scale)
+    assert torch.equal(got, torch_ref.paged_attention(q, dense[0], dense[1], meta, 0.3))
+
+    latent, q_lat = torch.randn(t, 12, generator=g), torch.randn(t, 3, 8, generator=g)
+    q_pe = torch.randn(t, 3, 4, generator=g)
+    scale = torch.tensor([0.01])
+    rows = torch.zeros(8, 4, 12, dtype=E4M3)
+    torch_ref.write_cache(rows, latent, meta.slot_mapping, scale)
+    dense_rows = rows.float() * scale
+    assert torch.equal(torch_ref.mla_absorbed_attention(q_lat, q_pe, rows, meta, 0.2, scale),
+                       torch_ref.mla_absorbed_attention(q_lat, q_pe, dense_rows, meta, 0.2))
+    w = torch.randn(3 * 14, 8, generator=g)
+
+    def expand(x):
+        kv = (x @ w.T).view(*x.shape[:-1], 3, 14)
+        return kv[..., :6], kv[..., 6:]
+
+    q_nope = torch.randn(t, 3, 6, generator=g)
+    assert torch.equal(torch_ref.mla_expanded_attention(q_nope, q_pe, rows, meta, 0.2, expand, scale),
+                       torch_ref.mla_expanded_attention(q_nope, q_pe, dense_rows, meta, 0.2, expand))
+
+
+def test_scale_and_cache_dtype_must_agree():
+    meta = _meta([3], block_size=4)
+    x = torch.randn(3, 2, 8)
+    with pytest.raises(ValueError, match=r"scale: the cache is torch.float8_e4m3fn but no scale was given"):
+        torch_ref.write_cache(torch.zeros(1, 4, 2, 8, dtype=E4M3), x, meta.slot_mapping)
+    with pytest.raises(ValueError, match=r"k_scale was given but the cache is torch.float32, not fp8"):
+        cache = torch.zeros(1, 4, 2, 8)
+        torch_ref.paged_attention(x, cache, cache, meta, 0.3, torch.tensor([1.0]), None)
+
+
+@pytest.fixture(scope="module")
+def deepseek(make_deepseek) -> str:
+    return make_deepseek("v3")
+
+
+def with_kv_scales(src: str, dst, scales: dict[str, float]) -> str:
+    path = shutil.copytree(src, dst)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors.update({name: torch.tensor(value) for name, value in scales.items()})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+def test_engine_fp8_cache_uses_checkpoint_scales_and_rounds_like_the_reference(deepseek, tmp_path, caplog):
+    """Layer 0's latent rows of a prefill, stored by the fp8 engine, equal the reference rounding of
+    the rows the unquantized engine stores, with the checkpoint's scale (the larger of Quark's
+    kv_a_proj_with_mqa / kv_b_proj output scales); layers without one get 1.0 and one warning."""
+    attn = "model.layers.0.self_attn"
+    path = with_kv_scales(deepseek, tmp_path / "scaled", {f"{attn}.kv_a_proj_with_mqa.output_scale": 0.004,
+                                                          f"{attn}.kv_b_proj.output_scale": 0.005})
+    prompt = PROMPTS[3]
+    ref = LLMEngine(path, max_model_len=128, enforce_eager=True)
+    ref.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    with caplog.at_level(logging.WARNING, logger="atom_like.loader.kv_scales"):
+        fp8 = LLMEngine(path, max_model_len=128, kv_cache_dtype="fp8", enforce_eager=True)
+    warnings = [r.getMessage() for r in caplog.records if "KV-cache scale" in r.getMessage()]
+    assert len(warnings) == 1 and "for 2 of 3 cache tensors; using 1.0" in warnings[0]
+    scales = fp8.runner.kv_caches["kv_scale"]
+    assert scales.dtype == torch.float32 and scales.flatten().tolist() == pytest.approx([0.005, 1.0, 1.0])
+    fp8.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    pool, ref_pool = fp8.runner.kv_caches["kv_cache"], ref.runner.kv_caches["kv_cache"]
+    assert pool.dtype == E4M3
+    rows = slice(0, len(prompt))  # the first blocks hold the prompt (one sequence, fresh pool)
+    stored = pool[0].flatten(0, 1)[rows].float()
+    assert torch.equal(stored, e4m3_round(ref_pool[0].flatten(0, 1)[rows] / 0.005))
+    # an fp8 block holds a quarter of an fp32 block's bytes
+    assert ref.runner.block_bytes == 4 * fp8.runner.block_bytes
+
+
+@pytest.mark.parametrize("draft", ["mha", "mla"])
+def test_fp8_target_and_draft_stay_lossless(deepseek, make_eagle3_llama, make_eagle3_mla, draft):
+    path = (make_eagle3_llama(deepseek, aux_layer_ids=[0, 1, 2]) if draft == "mha"
+            else make_eagle3_mla(deepseek, aux_layer_ids=(0, 1, 2)))
+    plain = LLMEngine(deepseek, max_model_len=128, kv_cache_dtype="fp8")
+    spec = LLMEngine(deepseek, max_model_len=128, kv_cache_dtype="fp8_e4m3", method="eagle3", draft_model=path)
+    caches = spec.runner.kv_caches
+    assert caches["kv_cache"].dtype == caches["eagle3_kv_cache"].dtype == E4M3
+    assert caches["eagle3_kv_scale"].shape == ((1, 2) if draft == "mha" else (1, 1))  # K and V, or the latent row
+    expected = [o.token_ids for o in plain.generate(PROMPTS[:3], GREEDY, use_tqdm=False)]
+    assert [o.token_ids for o in spec.generate(PROMPTS[:3], GREEDY, use_tqdm=False)] == expected
+    assert spec.scheduler.spec_stats.num_drafts > 0
+
+
+def test_fp8_llama_target(make_llama):
+    """MHA targets: K and V pools in e4m3 with a K and a V scale per layer; decodes normally."""
+    engine = LLMEngine(make_llama(), max_model_len=128, kv_cache_dtype="fp8")
+    assert engine.runner.kv_caches["kv_scale"].shape == (2, 2)
+    outs = engine.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)

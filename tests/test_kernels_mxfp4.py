@@ -1,0 +1,223 @@
+"""kernels_rocm.mxfp4_linear and kernels_rocm.mxfp4_moe against the dequantize reference
+(model_ops.quant.mxfp4), in fp32 under the interpreter (fp32 dot operands there).
+
+Expected results are computed the way the contract states them: activations through
+qdq_mxfp4 when quantized, weights through dequantize_mxfp4, fp32 GEMMs. The kernels differ
+only by fp32 accumulation order (tolerance 1e-5 relative to the output scale); where no
+rounding is involved (the QDQ itself) the comparison is exact. About 1-3 s per MoE case.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _kernel_cases import nan_like
+from kernels_rocm.mxfp4_linear import GemmConfig, mxfp4_linear
+from kernels_rocm.mxfp4_moe import MoeConfig, fused_moe_mxfp4
+from model_ops.quant.mxfp4 import dequantize_mxfp4, qdq_mxfp4, quantize_mxfp4
+
+
+def _random_mxfp4(*shape, g, low=118, high=132):
+    """Random packed codes (every nibble value) and E8M0 scale bytes in [low, high)."""
+    packed = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), generator=g).to(torch.uint8)
+    scale = torch.randint(low, high, (*shape[:-1], shape[-1] // 32), generator=g).to(torch.uint8)
+    return packed, scale
+
+
+def _close(out, ref, tol=1e-5):
+    assert torch.isfinite(out).all(), "non-finite output (unwritten poison?)"
+    torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def _with_extreme_scales(packed, scale, x, g):
+    """Give one 32-block of every row scale byte 0 (2^-127) and another byte 254 (2^127).
+
+    The matching activation columns are scaled by 2^120 / 2^-126 so those blocks contribute
+    O(1) to the output: a kernel that decoded byte 0 as zero, or 254 inexactly, or overflowed,
+    fails. Under byte 254 only codes of magnitude <= 1.5 are kept (2 * 2^127 is inf in fp32)."""
+    scale[..., 0] = 0
+    scale[..., -1] = 254
+    tail = packed[..., -16:]
+    packed[..., -16:] = tail & 0xBB  # clear each nibble's top exponent bit: magnitudes 0..1.5
+    x = x.clone()
+    x[:, :32] *= 2.0**120
+    x[:, -32:] *= 2.0**-126
+    return packed, scale, x
+
+
+# ------------------------------------------------------------------------------------ Linear
+
+def _linear_reference(x, packed, scale, bias, quantize):
+    a = qdq_mxfp4(x) if quantize else x
+    out = a.float() @ dequantize_mxfp4(packed, scale).T
+    return (out + bias.float() if bias is not None else out).to(x.dtype)
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+@pytest.mark.parametrize("config", [None, GemmConfig(16, 16, 32, split_k=2), GemmConfig(32, 32, 64, split_k=1)],
+                         ids=["default", "split2", "bm32"])
+def test_linear_matches_reference(quantize, config):
+    g = torch.Generator().manual_seed(0)
+    m, n, k = 5, 48, 160  # odd M, N not a multiple of the tiles, K = 5 blocks
+    packed, scale = _random_mxfp4(n, k, g=g)
+    x = torch.randn(m, k, generator=g) * 3
+    bias = torch.randn(n, generator=g)
+    out = mxfp4_linear(x, packed, scale, bias, quantize_activations=quantize, config=config,
+                       out=nan_like(torch.empty(m, n)))
+    _close(out, _linear_reference(x, packed, scale, bias, quantize))
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+def test_linear_e8m0_bytes_0_and_254(quantize):
+    g = torch.Generator().manual_seed(1)
+    packed, scale = _random_mxfp4(24, 96, g=g)
+    packed, scale, x = _with_extreme_scales(packed, scale, torch.randn(3, 96, generator=g), g)
+    assert (scale == 0).any() and (scale == 254).any()
+    out = mxfp4_linear(x, packed, scale, None, quantize_activations=quantize)
+    ref = _linear_reference(x, packed, scale, None, quantize)
+    assert ref.abs().max() > 1e-3 and torch.isfinite(ref).all()
+    _close(out, ref)
+
+
+def _qdq_probe_rows(g):
+    """Activation rows that stress the "even" rule: E2M1 ties, amax at and around 1.75 * 2^n
+    (where the scale moves up), zero / subnormal / huge blocks, signed zeros, NaN and inf."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, 6.5, 100.0])
+    rows = []
+    for n in (-3, 0, 7):
+        block = torch.cat([grid, ties, -ties, grid[:4]]) * 2.0**n  # 32 values, amax 100 * 2^n
+        rows.append(block)
+        rows.append(torch.cat([ties[:3], torch.full((29,), 1.75)]) * 2.0**n)  # amax exactly 1.75 * 2^n
+        rows.append(torch.cat([ties[:3], torch.full((29,), 1.7499999)]) * 2.0**n)  # just below
+    rows.append(torch.zeros(32))
+    rows.append(torch.full((32,), -0.0))
+    rows.append(torch.randn(32, generator=g) * 2.0**-140)  # fp32 subnormals
+    rows.append(torch.randn(32, generator=g) * 2.0**126)
+    rows.append(torch.randn(32, generator=g).masked_fill(torch.arange(32) == 5, float("nan")))
+    rows.append(torch.randn(32, generator=g).masked_fill(torch.arange(32) == 9, float("-inf")))
+    blocks = torch.stack(rows)  # [R, 32]: make rows of 4 blocks, shuffled across rows
+    blocks = blocks[torch.randperm(blocks.shape[0], generator=g)]
+    blocks = torch.cat([blocks, torch.randn(-blocks.shape[0] % 4, 32, generator=g)])
+    return blocks.reshape(-1, 128)
+
+
+def test_fused_activation_qdq_is_exact():
+    """Through an identity weight the output is the QDQ'd activation itself: equal to qdq_mxfp4
+    bit for bit. A NaN block (from NaN or inf) turns its whole output row NaN (NaN * 0 in the
+    dot), so those rows are only checked for NaN."""
+    x = _qdq_probe_rows(torch.Generator().manual_seed(2))
+    packed, scale = quantize_mxfp4(torch.eye(128))
+    assert torch.equal(dequantize_mxfp4(packed, scale), torch.eye(128))
+    out = mxfp4_linear(x, packed, scale, None, quantize_activations=True)
+    expected = qdq_mxfp4(x)
+    nan_rows = torch.isnan(expected).any(dim=1)
+    assert nan_rows.sum() == 2 and torch.isnan(out[nan_rows]).all()
+    assert torch.equal(out[~nan_rows], expected[~nan_rows])
+
+
+def test_linear_bfloat16():
+    g = torch.Generator().manual_seed(3)
+    packed, scale = _random_mxfp4(40, 64, g=g)
+    x = torch.randn(7, 64, generator=g)
+    out = mxfp4_linear(x.bfloat16(), packed, scale, None, quantize_activations=True)
+    ref = _linear_reference(x.bfloat16(), packed, scale, None, True).float()
+    torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (lambda p, s, x: (x, p.float(), s), "weight"),
+        (lambda p, s, x: (x, p, s[:, :1]), "weight_scale"),
+        (lambda p, s, x: (x, p, s.int()), "weight_scale"),
+        (lambda p, s, x: (x[:, :48], p, s), "K must be a multiple"),
+        (lambda p, s, x: (x[:, :32], p, s), "weight"),
+    ],
+)
+def test_linear_rejects(args, match):
+    g = torch.Generator().manual_seed(4)
+    packed, scale = _random_mxfp4(8, 64, g=g)
+    with pytest.raises(ValueError, match=match):
+        mxfp4_linear(*args(packed, scale, torch.randn(2, 64)), quantize_activations=False)
+
+
+# --------------------------------------------------------------------------------------- MoE
+
+EXPERTS, HIDDEN, INTER = 8, 64, 96  # INTER = 3 blocks: not a multiple of the 64-wide tiles
+
+
+def _moe_reference(x, w13, s13, w2, s2, topk_weights, topk_ids, quantize):
+    """The contract's loop, per (token, slot)."""
+    a = qdq_mxfp4(x) if quantize else x
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            gate_up = a[t].float() @ dequantize_mxfp4(w13[e], s13[e]).T
+            h = (F.silu(gate_up[:INTER]) * gate_up[INTER:]).to(x.dtype)
+            if quantize:
+                h = qdq_mxfp4(h)
+            out[t] += topk_weights[t, k] * (h.float() @ dequantize_mxfp4(w2[e], s2[e]).T)
+    return out.to(x.dtype)
+
+
+def _moe_case(num_tokens, top_k, g, skip=(1, 5), hot=2):
+    """Experts in `skip` get no tokens; `hot` is every token's first pick."""
+    w13, s13 = _random_mxfp4(EXPERTS, 2 * INTER, HIDDEN, g=g, low=120, high=126)
+    w2, s2 = _random_mxfp4(EXPERTS, HIDDEN, INTER, g=g, low=120, high=126)
+    x = torch.randn(num_tokens, HIDDEN, generator=g)
+    allowed = torch.tensor([e for e in range(EXPERTS) if e not in skip and e != hot])
+    picks = torch.stack([allowed[torch.randperm(allowed.numel(), generator=g)[: top_k - 1]] for _ in range(num_tokens)])
+    ids = torch.cat([torch.full((num_tokens, 1), hot), picks], dim=1)
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    return x, w13, s13, w2, s2, (weights / weights.sum(-1, keepdim=True)).contiguous(), ids
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+@pytest.mark.parametrize("num_tokens", [1, 5, 13], ids=lambda t: f"T{t}")
+def test_moe_matches_reference(num_tokens, quantize):
+    g = torch.Generator().manual_seed(num_tokens)
+    x, w13, s13, w2, s2, weights, ids = _moe_case(num_tokens, 3, g)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids.to(torch.int32), quantize, out=nan_like(x))
+    _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+def test_moe_split_k_and_tiles(quantize):
+    """The split-K path (partials summed by the epilogue kernel) and other tiles, int64 ids."""
+    g = torch.Generator().manual_seed(11)
+    x, w13, s13, w2, s2, weights, ids = _moe_case(6, 2, g)
+    config = MoeConfig(gate_up=GemmConfig(16, 32, 32, split_k=2), down=GemmConfig(16, 32, 64))
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, out=nan_like(x), config=config)
+    _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
+
+
+def test_moe_e8m0_bytes_0_and_254():
+    g = torch.Generator().manual_seed(12)
+    x, w13, s13, w2, s2, weights, ids = _moe_case(4, 2, g)
+    w13, s13, x = _with_extreme_scales(w13, s13, x, g)
+    assert (s13 == 0).any() and (s13 == 254).any()
+    ref = _moe_reference(x, w13, s13, w2, s2, weights, ids, False)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 1e-3
+    _close(fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False), ref)
+
+
+def test_moe_bfloat16():
+    g = torch.Generator().manual_seed(13)
+    x, w13, s13, w2, s2, weights, ids = _moe_case(5, 2, g)
+    ref = _moe_reference(x.bfloat16(), w13, s13, w2, s2, weights, ids, True).float()
+    out = fused_moe_mxfp4(x.bfloat16(), w13, s13, w2, s2, weights, ids, True)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
+
+
+def test_moe_rejects_bad_shapes():
+    g = torch.Generator().manual_seed(14)
+    x, w13, s13, w2, s2, weights, ids = _moe_case(2, 2, g)
+    with pytest.raises(ValueError, match="w13_scale"):
+        fused_moe_mxfp4(x, w13, s13[..., :1], w2, s2, weights, ids, False)
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe_mxfp4(x, w13, s13, w2[:, :, :8], s2[:, :, :1], weights, ids, False)
+    with pytest.raises(ValueError, match="w13"):
+        fused_moe_mxfp4(x, w13.float(), s13, w2, s2, weights, ids, False)
