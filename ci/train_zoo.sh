@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU training of the model zoo on the device machine (one call = the stages in ZOO_STAGES).
 #
-# Expects the staged inputs built on CPU by `python -m atom_like.zoo.build_data --out .stage`
+# Expects the staged inputs built on CPU by `python -m eagle3_train.build_data --out .stage`
 # and carried in .stage/ (see atom_like/zoo/README.md for which paths each call carries).
 # Results land in $OUT: zoo_report.txt and zoo-$ZOO_TAG.tar.gz.partNN (15 MiB each);
 # reassemble with `cat zoo-*.tar.gz.part* | tar xz`.
@@ -27,4 +27,4 @@ done
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-exec python3 -m atom_like.zoo.train_zoo
+exec python3 -m eagle3_train.train_zoo

@@ -1,13 +1,13 @@
 """Shared by the CPU and GPU acceptance tests: the accepted-draft counts of each verify step, from
 the engine and from the plain eager reference loop (transformers target + the draft as a plain
-torch module, no paging: atom_like.zoo.eagle3_reference), on the same chat prompts."""
+torch module, no paging: eagle3_train.eagle3_reference), on the same chat prompts."""
 from __future__ import annotations
 
 import torch
 
 from atom_like import LLMEngine, SamplingParams
-from atom_like.zoo.eagle3_reference import load_draft, reference_speculate
-from atom_like.zoo.targets import load_target
+from eagle3_train.eagle3_reference import load_draft, reference_speculate
+from eagle3_train.targets import load_target
 
 
 def chat_prompts(tokenizer, chats) -> list[list[int]]:

@@ -106,11 +106,11 @@ def test_fused_down_projection_loads_like_the_separate_ones(targets, make_eagle3
 
 @pytest.mark.parametrize("flags", ["plain", "fc_norm+norm_output"])
 def test_acceptance_equals_the_reference_loop(targets, frequent, make_eagle3_mla, flags):
-    """The engine accepts exactly what the plain-PyTorch eager loop (zoo.eagle3_reference, with
+    """The engine accepts exactly what the plain-PyTorch eager loop (eagle3_train.eagle3_reference, with
     transformers' target) accepts, step for step: the draft's math, positions, KV and chain agree."""
     from transformers import AutoModelForCausalLM
 
-    from atom_like.zoo import eagle3_reference as R
+    from eagle3_train import eagle3_reference as R
 
     k, path = 3, make_eagle3_mla(targets["v3"], draft_vocab_ids=frequent["v3"], **FLAGS[flags])
     hf = AutoModelForCausalLM.from_pretrained(targets["v3"], dtype=torch.float32).eval()

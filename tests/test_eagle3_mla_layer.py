@@ -1,5 +1,5 @@
 """The MLA draft's layer on random inputs, through the engine's paged path, against direct torch
-computations: the plain-PyTorch draft of atom_like.zoo.eagle3_reference (what the zoo trains),
+computations: the plain-PyTorch draft of eagle3_train.eagle3_reference (what the zoo trains),
 and explicit RMSNorm / fc math for the EAGLE3.1 flags: fc_norm touches only the target's aux
 input, norm_output only the carried hidden."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atom_like import LLMEngine
-from atom_like.zoo import eagle3_reference as R
+from eagle3_train import eagle3_reference as R
 from model_ops.attention.metadata import AttentionMetadata
 from spec_decode.eagle3 import Eagle3Draft
 from spec_decode.proposer import Eagle3Proposer, chain_step_metadata

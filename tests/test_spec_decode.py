@@ -128,7 +128,7 @@ def test_speculative_sequence_reaches_max_model_len(target, make_eagle3_llama, n
     if forced:
         def factory(runner):
             args = dataclasses.replace(runner.args, method="eagle3", draft_model=draft, num_speculative_tokens=k)
-            return ForcedAcceptance(build_eagle3_proposer(args, runner.model, runner.dtype, runner.device), k)
+            return ForcedAcceptance(build_eagle3_proposer(args, runner.model, runner.dtype, runner.device, runner.kv_cache_dtype), k)
         engine = LLMEngine(target, proposer_factory=factory, **kwargs)
     else:
         engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, **kwargs)
@@ -305,7 +305,7 @@ def test_forced_acceptance_for_benchmarks(target, make_eagle3_llama):
 
     def factory(runner):
         args = dataclasses.replace(runner.args, method="eagle3", draft_model=draft, num_speculative_tokens=3)
-        return ForcedAcceptance(build_eagle3_proposer(args, runner.model, runner.dtype, runner.device), 2)
+        return ForcedAcceptance(build_eagle3_proposer(args, runner.model, runner.dtype, runner.device, runner.kv_cache_dtype), 2)
 
     engine = LLMEngine(target, max_model_len=160, proposer_factory=factory)
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=13, ignore_eos=True), use_tqdm=False)

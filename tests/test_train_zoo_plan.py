@@ -1,10 +1,10 @@
-"""The GPU zoo run's stage plan (atom_like/zoo/train_zoo.py): every stage is runnable, and each
+"""The GPU zoo run's stage plan (eagle3_train/train_zoo.py): every stage is runnable, and each
 stage's minutes are trimmed so that the stages after it still fit before the deadline."""
 from __future__ import annotations
 
 import pytest
 
-from atom_like.zoo import train_zoo
+from eagle3_train import train_zoo
 
 
 def test_every_stage_has_a_runner_and_a_time_plan():

@@ -6,7 +6,8 @@ import json
 import pytest
 
 import zoo_micro
-from atom_like.zoo import data, shards
+from atom_like.zoo import data
+from eagle3_train import shards
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(zoo_micro.single_thread)
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import zoo_micro
-from atom_like.zoo import acceptance, train_eagle3
-from atom_like.zoo import eagle3_reference as R
+from eagle3_train import acceptance, train_eagle3
+from eagle3_train import eagle3_reference as R
 from atom_like.zoo.checkpoint import load_tensors
-from atom_like.zoo.regenerate import engine_generate, greedy_generate
-from atom_like.zoo.shards import prompt_ids
-from atom_like.zoo.targets import load_target
+from eagle3_train.regenerate import engine_generate, greedy_generate
+from eagle3_train.shards import prompt_ids
+from eagle3_train.targets import load_target
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(zoo_micro.single_thread)
 

@@ -7,7 +7,7 @@ import pytest
 from atom_like.zoo import registry
 from atom_like.zoo.__main__ import main
 
-NAMES = ["smollm2-135m", "smollm2-135m-eagle3", "tiny-kimi", "tiny-kimi-eagle3", "tiny-kimi-eagle3-mla",
+NAMES = ["smollm2-135m", "smollm2-135m-eagle3", "tiny-kimi", "tiny-kimi-mxfp4", "tiny-kimi-eagle3", "tiny-kimi-eagle3-mla",
          "tiny-kimi-eagle3.1-mla"]
 
 

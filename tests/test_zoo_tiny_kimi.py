@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import zoo_micro
-from atom_like.zoo import tiny_kimi, train_target
+from atom_like.zoo import tiny_kimi
+from eagle3_train import train_target
 from atom_like.zoo.checkpoint import load_tensors
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(zoo_micro.single_thread)

@@ -4,7 +4,8 @@ import pytest
 from transformers import AutoTokenizer
 
 import zoo_micro
-from atom_like.zoo import kimi_tokenizer, shards
+from atom_like.zoo import kimi_tokenizer
+from eagle3_train import shards
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(zoo_micro.single_thread)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from atom_like.zoo import kimi_tokenizer, shards, tiny_kimi
+from atom_like.zoo import kimi_tokenizer, tiny_kimi
+from eagle3_train import shards
 
 def single_thread():
     """Module fixture body: micro models are overhead-bound, and extra intra-op threads only add

@@ -1,9 +1,11 @@
 """The model zoo: one real pretrained target (SmolLM2-135M), one Kimi-architecture target trained
-from scratch (tiny-kimi), and EAGLE3 drafts for both, plus the tools that build them.
+from scratch (tiny-kimi, and tiny-kimi-mxfp4 converted from it as AMD converts Kimi-K2.5), and
+EAGLE3 drafts for both. The tools that trained them live in the separate `eagle3_train` package
+(``pip install -e ".[train]"``), so a server never imports training code.
 
 Python API: ``resolve(name) -> Path`` (converts SmolLM2 on demand, else says how to get the
 model), ``MODELS`` (the list). Command line: ``python -m atom_like.zoo list|prepare NAME``.
-Training tools: ``atom_like.zoo.build_data``, ``.train_target``, ``.train_eagle3``, ``.regenerate``.
+Training tools: ``python -m eagle3_train.build_data``, ``.train_target``, ``.train_eagle3``, ``.regenerate``.
 """
 
 import os

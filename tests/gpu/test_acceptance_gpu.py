@@ -30,9 +30,9 @@ PER_SET = int(os.environ.get("ATOM_LIKE_PARITY_PER_SET", "64"))
 def test_bf16_acceptance_matches_reference(target, draft):
     from acceptance_parity import chat_prompts
 
-    from atom_like.zoo.acceptance import evaluate, load_eval_prompts
-    from atom_like.zoo.eagle3_reference import load_draft
-    from atom_like.zoo.targets import load_target
+    from eagle3_train.acceptance import evaluate, load_eval_prompts
+    from eagle3_train.eagle3_reference import load_draft
+    from eagle3_train.targets import load_target
 
     if locate(target) is None or locate(draft) is None:
         pytest.skip(f"{target} / {draft} not in the zoo cache (ATOM_LIKE_CACHE); ci/train_zoo.sh builds them")

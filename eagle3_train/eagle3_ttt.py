@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from atom_like.zoo.eagle3_reference import Eagle3Draft, attention
+from eagle3_train.eagle3_reference import Eagle3Draft, attention
 
 
 def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:

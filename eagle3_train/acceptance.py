@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from atom_like.zoo.data import read_jsonl
-from atom_like.zoo.eagle3_reference import Eagle3Draft, reference_speculate, target_aux
-from atom_like.zoo.eagle3_ttt import unroll
-from atom_like.zoo.regenerate import greedy_generate
-from atom_like.zoo.shards import prompt_ids
+from eagle3_train.eagle3_reference import Eagle3Draft, reference_speculate, target_aux
+from eagle3_train.eagle3_ttt import unroll
+from eagle3_train.regenerate import greedy_generate
+from eagle3_train.shards import prompt_ids
 
 
 @torch.no_grad()
@@ -137,10 +137,10 @@ def load_eval_prompts(path: Path, per_set: int | None = None) -> dict[str, list]
 
 
 def main(argv=None):
-    from atom_like.zoo.eagle3_reference import load_draft
-    from atom_like.zoo.targets import load_target, zoo_path
+    from eagle3_train.eagle3_reference import load_draft
+    from eagle3_train.targets import load_target, zoo_path
 
-    ap = argparse.ArgumentParser(prog="python -m atom_like.zoo.acceptance", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eagle3_train.acceptance", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="target folder or zoo name")
     ap.add_argument("--draft", required=True, help="draft folder or zoo name")
     ap.add_argument("--prompts", required=True, help="eval_prompts.jsonl from build_data")

@@ -112,7 +112,7 @@ def free_gpu():
 
 
 def stage_tiny_target(run: Run):
-    from atom_like.zoo import train_target
+    from eagle3_train import train_target
 
     minutes = run.minutes("tiny-target", float(env("ZOO_TARGET_MIN", "5")))
     out, logs = run.work / "models" / "tiny-kimi", run.work / "logs" / "tiny-kimi"
@@ -128,8 +128,8 @@ def regen_stage(run: Run, target_dir: Path, name: str, minutes: float, batch: in
     """The target's greedy replies to training prompts: on a GPU through our engine (several times
     transformers' batched ``generate``; ZOO_REGEN_ENGINE=0 picks that instead)."""
     from atom_like.zoo.data import read_jsonl
-    from atom_like.zoo.regenerate import load_for_regeneration, regenerate
-    from atom_like.zoo.shards import write_shards
+    from eagle3_train.regenerate import load_for_regeneration, regenerate
+    from eagle3_train.shards import write_shards
 
     t = time.time()
     use_engine = run.device.startswith("cuda") and env("ZOO_REGEN_ENGINE", "1") == "1"
@@ -153,7 +153,7 @@ def stage_tiny_regen(run: Run):
 
 
 def draft_command(run: Run, name: str, target: Path, data: list[str], extra: list[str], minutes: float) -> list[str]:
-    cmd = [sys.executable, "-m", "atom_like.zoo.train_eagle3", "--target", str(target), "--name", name,
+    cmd = [sys.executable, "-m", "eagle3_train.train_eagle3", "--target", str(target), "--name", name,
            "--out", str(run.work / "models" / name), "--log-dir", str(run.work / "logs" / name),
            "--minutes", f"{minutes:.2f}", "--eval-prompts", str(run.stage / "eval_prompts.jsonl"),
            "--eval-per-set", env("ZOO_EVAL_PER_SET", "64")]

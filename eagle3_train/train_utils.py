@@ -130,7 +130,7 @@ def parse_data_specs(specs: list[str]) -> list[tuple[Path, str, int]]:
 
 def load_token_mix(specs: list[str], tok) -> tuple[np.ndarray, np.ndarray, dict]:
     """Concatenate the shard sets named by ``specs`` (tokenizer-checked); returns tokens, mask, counts."""
-    from atom_like.zoo.shards import read_set
+    from eagle3_train.shards import read_set
 
     toks, masks, counts = [], [], {}
     for folder, name, rep in parse_data_specs(specs):

@@ -1,6 +1,6 @@
 """Build, on CPU, everything the GPU training run needs, into a staging folder (default ``.stage``).
 
-``python -m atom_like.zoo.build_data --out .stage [--only eval,tiny-kimi,smollm2,gguf]``
+``python -m eagle3_train.build_data --out .stage [--only eval,tiny-kimi,smollm2,gguf]``
 
 Why a separate step: the GPU machine has no network and each call carries at most 64 MiB, so
 all parsing, tokenizer training and tokenization happen here, once, into compact files:
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from atom_like.zoo import data
-from atom_like.zoo.shards import encode_chat, write_shards
+from eagle3_train.shards import encode_chat, write_shards
 
 PARTS = ("eval", "tiny-kimi", "smollm2", "gguf")
 
@@ -150,7 +150,7 @@ def folder_mb(path: Path) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m atom_like.zoo.build_data", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eagle3_train.build_data", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".stage")
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     ap.add_argument("--vocab", type=int, default=8192, help="tiny-kimi BPE vocabulary size")

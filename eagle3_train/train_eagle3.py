@@ -1,6 +1,6 @@
 """Train an EAGLE3 / EAGLE3.1 draft (Llama-MHA or MLA) against a zoo target, then measure it.
 
-``python -m atom_like.zoo.train_eagle3 --target DIR --arch {llama,mla} [--fc-norm] [--norm-output]
+``python -m eagle3_train.train_eagle3 --target DIR --arch {llama,mla} [--fc-norm] [--norm-output]
   [--draft-vocab N] --data DIR:SET ... --out DIR --minutes M [--eval-prompts FILE]``
 
 What a step does (the recipe of EAGLE-3 / SpecForge; conventions in docs/eagle3_semantics.md):
@@ -28,16 +28,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from atom_like.zoo.eagle3_reference import Eagle3Draft, load_draft, make_draft_config, save_draft, target_aux
-from atom_like.zoo.eagle3_ttt import shift_left, soft_label_loss, target_labels, unroll, valid_rows
-from atom_like.zoo.shards import PackedWindows
-from atom_like.zoo.targets import load_target, zoo_path
-from atom_like.zoo.train_utils import (Budget, TrainLog, add_run_args, cosine_lr, fmt_seconds, load_token_mix,
+from eagle3_train.eagle3_reference import Eagle3Draft, load_draft, make_draft_config, save_draft, target_aux
+from eagle3_train.eagle3_ttt import shift_left, soft_label_loss, target_labels, unroll, valid_rows
+from eagle3_train.shards import PackedWindows
+from eagle3_train.targets import load_target, zoo_path
+from eagle3_train.train_utils import (Budget, TrainLog, add_run_args, cosine_lr, fmt_seconds, load_token_mix,
                                        parse_recorded)
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m atom_like.zoo.train_eagle3", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eagle3_train.train_eagle3", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="target folder or zoo name (smollm2-135m, tiny-kimi)")
     ap.add_argument("--arch", choices=["llama", "mla"], required=True)
     ap.add_argument("--fc-norm", action="store_true", help="EAGLE3.1: RMSNorm per aux chunk before fc")
@@ -175,14 +175,14 @@ def train(args) -> dict:
                "train_seconds": round(train_seconds, 1), "device": torch.cuda.get_device_name() if cuda else "cpu",
                "data": data_counts, "final_acc_per_step": log.rows[-1] if log.rows else None, **info,
                "recipe": {k: v for k, v in vars(args).items() if k not in ("device", "argv")},
-               "command": "python -m atom_like.zoo.train_eagle3 " + " ".join(args.argv)}
+               "command": "python -m eagle3_train.train_eagle3 " + " ".join(args.argv)}
     target_embed = target.get_input_embeddings().weight
     files = save_draft(draft.float(), Path(args.out), target_embed, summary)  # saved before the eval can overrun
     if log.rows:
         log.plot(log_dir / "loss.png", f"EAGLE3 draft ({draft.config['architectures'][0]}) on {Path(str(args.target)).name}",
                  ["loss"] + [f"acc{s}" for s in range(S)])
     if args.eval_prompts:
-        from atom_like.zoo.acceptance import evaluate, format_table, load_eval_prompts
+        from eagle3_train.acceptance import evaluate, format_table, load_eval_prompts
 
         t_eval = time.time()
         ev_draft = draft.to(target.dtype)

@@ -10,7 +10,7 @@ KV cache, continuous batching, CUDA graphs; the default on a GPU) and transforme
 engine path is tested against). The new text is stored as token ids (prompt + reply, the reply
 masked as the assistant part), never re-tokenized from a decoded string.
 
-``python -m atom_like.zoo.regenerate --target DIR --prompts regen_prompts.jsonl --out DIR``
+``python -m eagle3_train.regenerate --target DIR --prompts regen_prompts.jsonl --out DIR``
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def load_for_regeneration(name_or_dir, use_engine: bool, device: str):
     our engine, else the transformers model loaded on ``device`` (bf16 on a GPU, fp32 on CPU)."""
     from transformers import AutoTokenizer
 
-    from atom_like.zoo.targets import load_target, stop_token_ids, zoo_path
+    from eagle3_train.targets import load_target, stop_token_ids, zoo_path
 
     if not use_engine:
         return load_target(name_or_dir, torch.bfloat16 if str(device).startswith("cuda") else torch.float32, device)
@@ -108,7 +108,7 @@ def regenerate(target, tok, chats: list, stop_ids, max_new_tokens: int, batch_si
 
     ``target`` is a loaded transformers model (``greedy_generate``) or a checkpoint folder, which
     runs on atom_like's engine (``engine_generate``)."""
-    from atom_like.zoo.shards import prompt_ids
+    from eagle3_train.shards import prompt_ids
 
     prompts = [p for p in (prompt_ids(tok, c) for c in chats) if len(p) <= max_prompt_tokens]
     if isinstance(target, (str, Path)):
@@ -121,9 +121,9 @@ def regenerate(target, tok, chats: list, stop_ids, max_new_tokens: int, batch_si
 
 def main(argv=None):
     from atom_like.zoo.data import read_jsonl
-    from atom_like.zoo.shards import write_shards
+    from eagle3_train.shards import write_shards
 
-    ap = argparse.ArgumentParser(prog="python -m atom_like.zoo.regenerate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eagle3_train.regenerate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="target folder or zoo name")
     ap.add_argument("--prompts", required=True, help="regen_prompts.jsonl from build_data")
     ap.add_argument("--out", required=True, help="data folder to write the 'regen' shard set into")

@@ -1,6 +1,6 @@
 """Train tiny-kimi from scratch with transformers' own DeepseekV3ForCausalLM and export it as Kimi-K2.5.
 
-``python -m atom_like.zoo.train_target --data .stage/tiny-kimi --out DIR --minutes 6``
+``python -m eagle3_train.train_target --data .stage/tiny-kimi --out DIR --minutes 6``
 
 Why these choices: the model must be an honest Kimi-architecture model (see ``tiny_kimi``), so
 it is trained by transformers' reference implementation rather than by our engine. MoE routing
@@ -31,14 +31,14 @@ from pathlib import Path
 import torch
 
 from atom_like.zoo import kimi_tokenizer, tiny_kimi
-from atom_like.zoo.shards import PackedWindows, prompt_ids, read_set
-from atom_like.zoo.targets import stop_token_ids
-from atom_like.zoo.train_utils import (Budget, TrainLog, add_run_args, cosine_lr, fmt_seconds, load_token_mix,
+from eagle3_train.shards import PackedWindows, prompt_ids, read_set
+from eagle3_train.targets import stop_token_ids
+from eagle3_train.train_utils import (Budget, TrainLog, add_run_args, cosine_lr, fmt_seconds, load_token_mix,
                                        parse_recorded)
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m atom_like.zoo.train_target", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eagle3_train.train_target", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="folder from build_data (tokenizer/, shard sets, heldout)")
     ap.add_argument("--mix", default="sharegpt,gsm8k*3", help="shard sets to train on, SET[*N] (N = repeats)")
     add_run_args(ap, batch_size=64, lr=3e-3, weight_decay=0.1, log_every=50)
@@ -129,8 +129,8 @@ def pick_experts_impl(model, batch, cuda: bool, requested: str, step_fn) -> str:
 
 
 def samples(model, tok, prompt_file, per_set: int, stop, device) -> list[dict]:
-    from atom_like.zoo.acceptance import load_eval_prompts
-    from atom_like.zoo.regenerate import greedy_generate
+    from eagle3_train.acceptance import load_eval_prompts
+    from eagle3_train.regenerate import greedy_generate
 
     out = []
     was_training = model.training
@@ -228,7 +228,7 @@ def train(args) -> dict:
         "heldout_loss": round(best["loss"], 4), "heldout_ppl": round(math.exp(best["loss"]), 2),
         "heldout_assistant_ppl": round(math.exp(best["assistant_loss"]), 2),
         "recipe": {k: v for k, v in vars(args).items() if k not in ("device", "argv")},
-        "command": "python -m atom_like.zoo.train_target " + " ".join(args.argv),
+        "command": "python -m eagle3_train.train_target " + " ".join(args.argv),
     }
     if args.eval_prompts:
         summary["samples"] = samples(model, tok, args.eval_prompts, args.samples, stop, device)
