@@ -37,7 +37,7 @@ class EngineArgs:
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom code in the checkpoint's config."})
     dtype: str = field(default="auto", metadata={"help": "auto | bfloat16 | float16 | float32 (auto: float32 on CPU, the checkpoint's half type on GPU)."})
     device: str = field(default="auto", metadata={"help": "auto | cuda | cpu (ROCm GPUs are 'cuda' in torch)."})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor-parallel ranks (only 1 is supported so far).", "short": "-tp"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor-parallel ranks: one process and one GPU each (gloo processes on CPU); see docs/parallel.md.", "short": "-tp"})
     block_size: int = field(default=16, metadata={"help": "Tokens per KV-cache block."})
     max_num_seqs: int = field(default=256, metadata={"help": "Most sequences in one step."})
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "Most query tokens in one step (longer prompts are prefilled in chunks)."})
@@ -58,10 +58,8 @@ class EngineArgs:
         self.validate()
 
     def validate(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet: atom_like runs on one device (use -tp 1)."
-            )
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be an integer >= 1; got {self.tensor_parallel_size!r}")
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.device not in ("auto", "cuda", "cpu"):

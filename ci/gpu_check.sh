@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the GPU tests and every benchmark, results under $OUT.
 #
-#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy] [roofline]
+#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy] [roofline] [tp]
 #
 # roofline (not in the default set; one H100, < 9 min) runs ci/bench_roofline.py: the Llama-3.1-8B shape's
 # decode step vs the copy-bandwidth roofline and transformers at batch 1/16/64, a torch.profiler
 # breakdown (GPU idle %, kernels and synchronize calls per step), and cuBLAS vs split-K Triton skinny
 # GEMMs; $BENCH_ROOFLINE_ARGS passes flags (e.g. "--parts engine,profile").
+#
+# tp (not in the default list: it needs two GPUs, e.g. nvidia-h200-x2) runs ci/bench_tp.py: -tp 2 vs
+# -tp 1 decode speed (8B Llama shape, DeepSeek-shaped MoE), the step's collectives alone, and the zoo
+# pairs' acceptance and greedy agreement; $BENCH_TP_ARGS passes flags (e.g. "--parts speed").
 #
 # mxfp4_accuracy (not in the default set) builds tiny-kimi-mxfp4 into the zoo cache and measures its
 # accuracy against tiny-kimi, with and without fp8 KV (ci/bench_mxfp4_accuracy.py).
@@ -49,6 +53,7 @@ for part in "${parts[@]}"; do
     mxfp4) run bench_mxfp4 python3 ci/bench_mxfp4.py --out "$OUT" --profile ;;
     models) run bench_models python3 ci/bench_models.py ;;
     spec) run bench_spec python3 ci/bench_spec.py ;;
+    tp) run bench_tp python3 ci/bench_tp.py ${BENCH_TP_ARGS:-} ;;
     gsm8k) run gsm8k env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k" \
              ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
     prefix) run gsm8k_prefix env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k_prefix" \

@@ -1,31 +1,94 @@
 """Linear layers. MergedLinear holds several checkpoint projections (q/k/v, gate/up) in one
-weight so a step runs one GEMM instead of several; the loader fills it shard by shard."""
+weight so a step runs one GEMM instead of several; the loader fills it shard by shard.
+
+Tensor parallelism (Megatron-style, model_ops.tp): a column-parallel layer holds this rank's
+rows of the output features and leaves its output split (the next op is per head, or a
+row-parallel layer); a row-parallel layer holds this rank's columns of the input features and
+sums the ranks' partial products with one all-reduce. How a layer is split is its
+`LinearSharding` (None: replicated), kept apart from how its weight is stored, so the packed
+MXFP4 layer that replaces a float one (model_ops.quant.mxfp4_layers) takes the float layer's
+sharding and slices and reduces alike. At -tp 1 every parallel layer is exactly the plain one.
+"""
 from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_ops import tp
 from model_ops.deferred import weight_device
+from model_ops.tp import TPSlice
+
+
+@dataclass(frozen=True)
+class LinearSharding:
+    """This rank's part of a linear layer. Column-parallel (`along_input` False): rows
+    `ranges[i]` of projection i's `full_sizes[i]` outputs (one projection unless merged); the
+    output stays split. Row-parallel (True): input columns `ranges[0]` of `full_sizes[0]`; the
+    product is a partial sum, all-reduced here unless `reduce` is False (the caller reduces it
+    together with others: a MoE's routed and shared experts share one all-reduce)."""
+    along_input: bool
+    full_sizes: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    reduce: bool = True
+
+    def tp_slice(self, param: str, shard: Hashable | None, pack: int = 1, block: int = 1) -> TPSlice | None:
+        """What this rank loads of the checkpoint tensor filling `param` (or its `shard`, a
+        projection index); `pack` / `block` are the storage format's (TPSlice)."""
+        if self.along_input:
+            return None if param == "bias" else TPSlice(1, self.full_sizes[0], self.ranges[:1], pack, block)
+        if shard is not None:
+            return TPSlice(0, self.full_sizes[int(shard)], (self.ranges[int(shard)],), pack, block)
+        # the (fused) checkpoint tensor whole: this rank's rows of each projection, in order
+        offsets = list(accumulate(self.full_sizes, initial=0))
+        return TPSlice(0, offsets[-1], tuple((o + a, o + b) for o, (a, b) in zip(offsets, self.ranges)), pack, block)
+
+
+def sharded_output(sharding: LinearSharding | None, product: Callable[[torch.Tensor | None], torch.Tensor],
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """A layer's output from `product(bias)`, this rank's GEMM (adding `bias` when given): a
+    row-parallel layer on several ranks sums the ranks' partial products and adds the bias once."""
+    if sharding is None or not sharding.along_input or tp.size() == 1:
+        return product(bias)
+    out = product(None)
+    if sharding.reduce:
+        out = tp.all_reduce(out)
+    if bias is not None and (sharding.reduce or tp.rank() == 0):  # a partial sum carries it once
+        out = out + bias
+    return out
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    """y = x W^T + b; replicated on every rank unless `sharding` says otherwise (the parallel
+    subclasses below compute it)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 sharding: LinearSharding | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.sharding = sharding
         # on the meta device while a quantization config may still replace this layer (model_ops.deferred)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=weight_device()), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, device=weight_device()), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return sharded_output(self.sharding, lambda bias: F.linear(x, self.weight, bias), self.bias)
+
+    # TPSharded (model_ops.tp)
+    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice | None:
+        return None if self.sharding is None else self.sharding.tp_slice(param, shard)
 
 
 class MergedLinear(Linear):
     """Output rows are the concatenation of `output_sizes` projections (shard 0 first)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias)
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 sharding: LinearSharding | None = None):
+        super().__init__(in_features, sum(output_sizes), bias, sharding)
         self.output_sizes = list(output_sizes)
 
     def shard_rows(self, shard: int) -> slice:
@@ -41,3 +104,52 @@ class MergedLinear(Linear):
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(self.output_sizes, dim=-1)
+
+
+class ColumnParallelLinear(Linear):
+    """This rank's `out_features / N` output rows; the output stays split across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, what: str = "output features"):
+        rows = tp.rank_range(out_features, what)
+        super().__init__(in_features, rows[1] - rows[0], bias, LinearSharding(False, (out_features,), (rows,)))
+
+
+class RowParallelLinear(Linear):
+    """This rank's `in_features / N` input columns (its input is the split output of a
+    column-parallel layer or of per-head attention); one all-reduce sums the ranks' products and
+    the bias is added once. `reduce=False` leaves the partial sum for the caller to reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True,
+                 what: str = "input features"):
+        cols = tp.rank_range(in_features, what)
+        super().__init__(cols[1] - cols[0], out_features, bias, LinearSharding(True, (in_features,), (cols,), reduce))
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """Several column-parallel projections in one weight (gate/up): each split across ranks, so
+    a rank's weight is [its gate rows; its up rows] and `split` still separates them."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, what: str = "output features"):
+        ranges = tuple(tp.rank_range(s, what) for s in output_sizes)
+        super().__init__(in_features, [b - a for a, b in ranges], bias,
+                         LinearSharding(False, tuple(output_sizes), ranges))
+
+
+class QKVParallelLinear(MergedLinear):
+    """q, k, v by heads: rank r holds query heads [r H/N, (r+1) H/N) and the KV heads they read.
+    With more ranks than KV heads (N > num_kv_heads, N a multiple of it) each rank holds the one
+    KV head of its query heads, replicated on the N / num_kv_heads ranks that share it."""
+
+    def __init__(self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False):
+        n = tp.size()
+        heads = tp.divide(num_heads, "num_attention_heads")
+        if n > num_kv_heads and n % num_kv_heads or n < num_kv_heads and num_kv_heads % n:
+            raise ValueError(f"num_key_value_heads {num_kv_heads} and --tensor-parallel-size {n}: one must divide "
+                             f"the other (KV heads are split across ranks, or replicated when there are fewer)")
+        kv_heads = max(1, num_kv_heads // n)
+        first_kv = tp.rank() * num_kv_heads // n * head_dim
+        kv = (first_kv, first_kv + kv_heads * head_dim)
+        full = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        super().__init__(in_features, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias,
+                         LinearSharding(False, full, (tp.rank_range(full[0], "num_attention_heads"), kv, kv)))
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim

@@ -26,8 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from model_ops import tp
 from model_ops.activation import silu_and_mul
 from model_ops.deferred import weight_device
+from model_ops.tp import TPSlice
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -153,21 +155,58 @@ def select_experts_impl(device: torch.device) -> ExpertsFn:
     return fused_experts
 
 
+@dataclass(frozen=True)
+class ExpertsSharding:
+    """Every rank holds every routed expert's rows `rows` of the `full` intermediate dim (gate
+    and up rows of w13, columns of w2), so routing needs no communication and a rank's expert
+    output is a partial sum the MoE block all-reduces. Shared by the float and the packed MXFP4
+    experts, whose w13_* / w2_* companions (block scales) are cut like w13 / w2."""
+    full: int
+    rows: tuple[int, int]
+
+    @classmethod
+    def split(cls, intermediate_size: int) -> "ExpertsSharding":
+        return cls(intermediate_size, tp.rank_range(intermediate_size, "moe_intermediate_size"))
+
+    @property
+    def size(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    def tp_slice(self, param: str, shard: Hashable | None, pack: int = 1, block: int = 1) -> TPSlice:
+        """Per-expert checkpoint tensors are [I, H] (gate, up) and [H, I] (down); stacked ones
+        [E, 2I, H] / [E, H, I] (shard None). `pack` / `block` are the storage format's along the
+        intermediate dim (w2's input; w13 splits along its outputs and passes 1)."""
+        full, (a, b), down = self.full, self.rows, param.startswith("w2")
+        if shard is None:
+            dim, ranges, extent = (2, ((a, b),), full) if down else (1, ((a, b), (full + a, full + b)), 2 * full)
+        else:
+            dim, ranges, extent = (1 if down else 0), ((a, b),), full
+        return TPSlice(dim, extent, ranges, pack, block)
+
+
 class FusedExperts(nn.Module):
-    """`mlp.experts`: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I]."""
+    """`mlp.experts`: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I], I being this
+    rank's part of the intermediate dim (ExpertsSharding). Under tensor parallelism `forward`
+    returns this rank's partial sum: the MoE block all-reduces it (with the shared experts'
+    partial sum, in one collective)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.sharding = ExpertsSharding.split(intermediate_size)
+        self.num_experts, self.intermediate_size = num_experts, self.sharding.size
         # on the meta device while a quantization config may still replace this layer (model_ops.deferred)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, device=weight_device()),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=weight_device()),
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size,
+                                            device=weight_device()), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size, device=weight_device()),
                                requires_grad=False)
         self.impl = select_experts_impl(torch.get_default_device())
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return self.impl(x, self.w13, self.w2, topk_weights, topk_ids)
+
+    # TPSharded (model_ops.tp)
+    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice:
+        return self.sharding.tp_slice(param, shard)
 
     # ShardedParameters (atom_like.loader.weights): one shard per expert and projection, "3.up_proj".
     def weight_shards(self, param: str) -> list[str]:

@@ -30,7 +30,8 @@ class RotaryEmbedding(nn.Module):
                 f"supported: default, {', '.join(t for t in ROPE_INIT_FUNCTIONS if t != 'dynamic')}"
             )
         else:
-            inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            with torch.device("cpu"):  # not the build's device context: a meta skeleton needs real values too
+                inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         if inv_freq.numel() * 2 != rotary_dim:
             raise ValueError(f"rope frequencies cover {inv_freq.numel() * 2} dims but the rotary dim is {rotary_dim}")
         # transformers computes scaled frequencies on the CPU; models are built under a device context

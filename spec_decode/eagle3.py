@@ -7,6 +7,13 @@ One draft step (docs/eagle3_semantics.md, "One draft step"):
     out = layer(embed(token), g)                     residual = g, input = [norm(embed), norm(g)]
     logits = lm_head(norm(out))
     carry = norm(out) if norm_output else out        hidden for the next chain step
+
+Tensor parallel (model_ops.tp): the decoder layer is split like the target's (heads, so its KV
+is sharded across ranks as the target's is; MLP intermediate dim), embed_tokens and lm_head are
+vocab-parallel (as the target's, whose weights a draft may borrow), and `fc` is replicated: it
+runs once per proposal on the aux hidden states every rank already holds whole, so a replica
+costs num_aux * H_target * H parameters per rank (3 * 7168^2 = 154M for Kimi, 0.3 GB in bf16)
+and saves the all-reduce a row-parallel fc would add to every proposal. d2t is replicated.
 """
 from __future__ import annotations
 
@@ -87,7 +94,7 @@ class Eagle3Draft(nn.Module, ABC):
             RMSNorm(self.eagle.target_hidden_size, config.rms_norm_eps) for _ in range(self.eagle.num_aux)
         ) if self.eagle.fc_norm else None
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.lm_head = LMHead(hidden, self.eagle.draft_vocab_size)
+        self.lm_head = LMHead(hidden, self.eagle.draft_vocab_size, what="draft_vocab_size")
         if self.eagle.draft_vocab_size != config.vocab_size:
             # target id = draft id + d2t[draft id] (the EAGLE/SpecForge convention)
             self.d2t = nn.Parameter(torch.zeros(self.eagle.draft_vocab_size, dtype=torch.long), requires_grad=False)
@@ -136,7 +143,7 @@ class Eagle3Draft(nn.Module, ABC):
                                  f"from the target's {tuple(embed.shape)}")
             self.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
         if "lm_head.weight" in missing:
-            if self.eagle.draft_vocab_size != head.shape[0]:
+            if self.eagle.draft_vocab_size != self.config.vocab_size:  # = the target's (checked by the builder)
                 raise ValueError(f"the draft checkpoint has no lm_head.weight and its draft_vocab_size "
-                                 f"{self.eagle.draft_vocab_size} differs from the target's vocabulary {head.shape[0]}")
+                                 f"{self.eagle.draft_vocab_size} differs from the target's vocabulary {self.config.vocab_size}")
             self.lm_head.weight = nn.Parameter(head, requires_grad=False)

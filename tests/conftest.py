@@ -170,7 +170,7 @@ def make_eagle3_llama(tmp_path_factory):
 def write_eagle3_mla_draft(path: str, target_path: str, *, seed: int = 0, aux_layer_ids=(0, 1, 2),
                            draft_vocab_size: int | None = None, draft_vocab_ids=None, fc_norm: bool = False,
                            legacy_aux_norm: bool = False, norm_output: bool = False, fused_qkv_a: bool = False,
-                           rms_norm_eps: float = 1e-5) -> str:
+                           rms_norm_eps: float = 1e-5, num_heads: int = 2) -> str:
     """A random-init Eagle3DeepseekV2ForCausalLM checkpoint in the public kimi-k2.x-eagle3-mla layout
     (unprefixed keys, `layers.0.*`, config in the pre-transformers-5 spelling with model_type
     kimi_k2), written tensor by tensor, independently of the engine's model code. Its MLA dims
@@ -184,7 +184,7 @@ def write_eagle3_mla_draft(path: str, target_path: str, *, seed: int = 0, aux_la
     target = json.load(open(os.path.join(target_path, "config.json")))
     target = target.get("text_config", target)
     h, vocab = target["hidden_size"], target["vocab_size"]
-    heads, q_lora, kv_lora, nope, rope, v_dim, inter = 2, 32, 16, 8, 8, 12, 2 * h
+    heads, q_lora, kv_lora, nope, rope, v_dim, inter = num_heads, 32, 16, 8, 8, 12, 2 * h
     dv = len(draft_vocab_ids) if draft_vocab_ids is not None else draft_vocab_size or vocab
     num_aux = len(aux_layer_ids)
     g = torch.Generator().manual_seed(seed)

@@ -87,6 +87,6 @@ def test_not_a_checkpoint(tmp_path):
         LLMEngine(str(tmp_path))
 
 
-def test_tensor_parallel_not_supported(llama_path):
-    with pytest.raises(ValueError, match="tensor-parallel-size 2"):
-        LLMEngine(llama_path, tensor_parallel_size=2)
+def test_tensor_parallel_size_that_does_not_divide_the_vocabulary(llama_path):
+    with pytest.raises(ValueError, match="vocab_size 128 is not divisible by --tensor-parallel-size 3"):
+        LLMEngine(llama_path, tensor_parallel_size=3)

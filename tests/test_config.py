@@ -20,9 +20,9 @@ def test_kebab_and_snake_spellings_agree():
 
 
 def test_tp_short_flag_and_limit():
-    with pytest.raises(ValueError, match="tensor-parallel-size 8"):
-        parse(["--model", "m", "-tp", "8"])
-    assert parse(["--model", "m", "-tp", "1"]).tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="tensor-parallel-size must be an integer >= 1; got 0"):
+        parse(["--model", "m", "-tp", "0"])
+    assert parse(["--model", "m", "-tp", "8"]).tensor_parallel_size == 8
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -11,6 +11,7 @@ import torch
 from atom_like import LLMEngine, SamplingParams
 from atom_like.engine.sampler import row_logits_processors
 from atom_like.engine.sequence import Sequence
+from atom_like.engine.step_inputs import SeqStep
 from spec_decode.testing import OracleProposer
 
 VOCAB = 128
@@ -53,6 +54,13 @@ def reference(logits: torch.Tensor, seq: Sequence, history: list[int], num_gener
     return x
 
 
+def decode_steps(seqs: list[Sequence], drafts: list[list[int]]) -> list[SeqStep]:
+    """What the runner gets of each sequence in a decode step verifying `drafts` (StepBatch)."""
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens - 1
+    return [SeqStep.of(seq, 1, d, samples=True) for seq, d in zip(seqs, drafts)]
+
+
 def test_batched_processors_equal_the_row_by_row_reference():
     rng = np.random.default_rng(0)
     seqs, drafts = [], []
@@ -65,14 +73,14 @@ def test_batched_processors_equal_the_row_by_row_reference():
         drafts.append(rng.integers(0, 20, i % 4).tolist())
     rows = sum(len(d) + 1 for d in drafts)
     logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
-    processed = row_logits_processors(seqs, drafts, VOCAB, torch.device("cpu"))(logits)
+    processed = row_logits_processors(decode_steps(seqs, drafts), VOCAB, torch.device("cpu"))(logits)
     row = 0
     for seq, d in zip(seqs, drafts):
         for j in range(len(d) + 1):
             expected = reference(logits[row], seq, seq.generated_ids + d[:j], seq.num_generated + j)
             torch.testing.assert_close(processed[row], expected)
             row += 1
-    assert row_logits_processors(seqs[3:4], drafts[3:4], VOCAB, torch.device("cpu")) is None  # nothing asked
+    assert row_logits_processors(decode_steps(seqs[3:4], drafts[3:4]), VOCAB, torch.device("cpu")) is None  # nothing asked
 
 
 # ----------------------------------------------------------------------------- in the engine

@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 from atom_like import EngineArgs, LLMEngine, SamplingParams
 from atom_like.engine.block_manager import BlockManager
 from atom_like.engine.sequence import Sequence
+from atom_like.engine.step_inputs import SeqStep
 from atom_like.entrypoints.metrics import (EngineState, HistogramSnapshot, PrefixCacheSnapshot, ServerMetrics,
                                            StatsLogger)
 
@@ -136,7 +137,7 @@ def check_blocks(engine: LLMEngine) -> None:
     assert {block: key for key, block in bm.block_of.items()} == bm.key_of
 
 
-def prompt_kv(engine: LLMEngine, seq: Sequence) -> dict[str, torch.Tensor]:
+def prompt_kv(engine: LLMEngine, seq: SeqStep) -> dict[str, torch.Tensor]:
     """Every pool's (target's, draft's) KV at `seq`'s prompt positions, read through its block table."""
     positions = torch.arange(seq.num_prompt_tokens)
     blocks = torch.tensor(seq.block_table)[positions // B]
@@ -158,8 +159,8 @@ def record_steps(engine: LLMEngine) -> tuple[dict[str, list], dict[str, list]]:
         results = execute(batch)
         for item, result in zip(batch.seqs, results):
             if item.samples:
-                steps[item.seq.request_id].append((result.num_accepted, result.new_token_ids, result.draft_token_ids))
-                kv[item.seq.request_id].append(prompt_kv(engine, item.seq))
+                steps[item.request_id].append((result.num_accepted, result.new_token_ids, result.draft_token_ids))
+                kv[item.request_id].append(prompt_kv(engine, item))
         return results
 
     engine.runner.execute = recorded

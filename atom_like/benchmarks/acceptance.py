@@ -51,6 +51,7 @@ def measure(args: EngineArgs, prompts_by_set: dict[str, list[list[dict]]], k: in
         report[name] = dict(k=k, prompts=len(chats), drafts=run.num_drafts, accepted=run.num_accepted_tokens,
                             mean_acceptance_length=run.mean_acceptance_length, acceptance_rate=run.acceptance_rate,
                             per_position=run.per_position_acceptance)
+    engine.shutdown()  # -tp N: its workers hold the GPUs the next k's engine needs
     return report
 
 

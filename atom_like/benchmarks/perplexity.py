@@ -6,9 +6,10 @@ MXFP4 activations and an fp8 KV cache all count: for comparing a model with its 
 
 Texts: held-out ShareGPT conversations (whole chats through the chat template; the split the zoo
 never trains on) and GSM8K *test* questions with their worked answers, each cut to --max-len
-tokens. A batch of texts is prefilled in one step: every layer writes its KV into the paged cache
-and attends over what it reads back, as serving does. Perplexity = exp(mean next-token NLL) over
-every predicted token of a set.
+tokens. Each text is a prompt-only request for its prompt logprobs (max_tokens 0): the engine
+prefills it as it serves (every layer writes its KV into the paged cache and attends over what it
+reads back) and scores every position from that forward, so any engine flag applies, -tp N
+included. Perplexity = exp(mean next-token NLL) over every predicted token of a set.
 """
 from __future__ import annotations
 
@@ -17,12 +18,8 @@ import json
 import logging
 import math
 
-import numpy as np
-import torch
-
-from atom_like import EngineArgs, LLMEngine
+from atom_like import EngineArgs, LLMEngine, SamplingParams
 from atom_like.config import add_flag
-from atom_like.engine.step_inputs import host_step, upload
 from atom_like.zoo import model_path
 
 DATASETS = ("sharegpt", "gsm8k")
@@ -38,27 +35,15 @@ def heldout_texts(dataset: str, n: int) -> list[list[dict]]:
     raise ValueError(f"--datasets: unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}")
 
 
-@torch.inference_mode()
 def nll(engine: LLMEngine, texts: list[list[int]], batch: int) -> tuple[float, int]:
-    """(sum of next-token NLL, number of predicted tokens) over `texts`, `batch` texts a step."""
-    runner, block_size = engine.runner, engine.args.block_size
+    """(sum of next-token NLL, number of predicted tokens) over `texts`, `batch` texts at a time."""
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
     total, count = 0.0, 0
     for i in range(0, len(texts), batch):
-        group = texts[i:i + batch]
-        tables, next_block = [], 0
-        for ids in group:
-            n = -(-len(ids) // block_size)
-            tables.append(list(range(next_block, next_block + n)))
-            next_block += n
-        if next_block > runner.num_blocks:
-            raise ValueError(f"--batch {batch} texts of --max-len tokens need {next_block} KV blocks; the pool has "
-                             f"{runner.num_blocks}: lower --batch or raise --num-kv-blocks")
-        step = upload(host_step([np.array(ids) for ids in group], [0] * len(group), tables,
-                                [list(range(len(ids) - 1)) for ids in group], block_size), runner.device)
-        logits = runner.model.compute_logits(runner.model(step.input_ids, step.positions, step.meta)[step.logits_rows])
-        targets = torch.tensor([t for ids in group for t in ids[1:]], device=logits.device)
-        total += torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum").item()
-        count += len(targets)
+        for out in engine.generate(texts[i:i + batch], params, use_tqdm=False):
+            scored = out.prompt_logprobs[1:]  # nothing predicts the first token
+            total -= sum(lp.logprob for lp in scored)
+            count += len(scored)
     return total, count
 
 
@@ -69,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     add_flag(parser, "datasets", str, ",".join(DATASETS), "Text sets: sharegpt, gsm8k.")
     add_flag(parser, "num_texts", int, 64, "Texts per set.")
     add_flag(parser, "max_len", int, 512, "Tokens per text (longer texts are cut).")
-    add_flag(parser, "batch", int, 8, "Texts per prefill step.")
+    add_flag(parser, "batch", int, 8, "Texts in flight at a time.")
     add_flag(parser, "output", str, None, "Write the report as JSON here.")
     cli = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

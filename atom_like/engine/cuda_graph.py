@@ -11,7 +11,9 @@ The target's aux hidden states are written into the runner-owned buffer inside t
 replay refreshes them for the draft (ROCm/ATOM#631's graph_aux_hidden idea, without tuple plumbing).
 
 Without a GPU the same static-buffer path "replays" by re-running the function, which keeps
-the padding and buffer logic under CPU tests; `--enforce-eager` turns all of this off.
+the padding and buffer logic under CPU tests; `--enforce-eager` turns all of this off. Under
+tensor parallelism every rank captures the same graphs, with the step's all-reduces and
+all-gathers inside them (NCCL / RCCL collectives on the capturing stream).
 """
 from __future__ import annotations
 
@@ -22,8 +24,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from atom_like.engine.scheduler import ScheduledBatch
-from atom_like.engine.step_inputs import HostStep, StepInputs
+from atom_like.engine.step_inputs import HostStep, StepBatch, StepInputs
 from model_ops.attention.metadata import AttentionMetadata
 from spec_decode.proposer import ProposeInputs
 
@@ -110,10 +111,10 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ replay
 
-    def eligible(self, batch: ScheduledBatch) -> bool:
+    def eligible(self, batch: StepBatch) -> bool:
         k = self.q - 1
         return (len(batch.seqs) <= self.buckets[-1]
-                and all(s.samples and s.num_new_tokens == 1 and len(s.spec_token_ids) == k for s in batch.seqs))
+                and all(s.samples and len(s.token_ids) == 1 and len(s.spec_token_ids) == k for s in batch.seqs))
 
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)

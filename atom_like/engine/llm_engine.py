@@ -7,7 +7,6 @@ import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
@@ -15,9 +14,11 @@ from atom_like.config import (EngineArgs, load_model_config, load_tokenizer, req
                               resolve_dtype, resolve_max_model_len, text_config)
 from atom_like.engine.block_manager import BlockManager
 from atom_like.engine.detokenizer import IncrementalDetokenizer
-from atom_like.engine.model_runner import ModelRunner, ProposerFactory
+from atom_like.engine.model_runner import ProposerFactory
 from atom_like.engine.scheduler import Scheduler
 from atom_like.engine.sequence import Sequence
+from atom_like.engine.step_inputs import StepBatch
+from atom_like.engine.tp_executor import StepExecutor, make_executor
 from atom_like.loader.weights import check_checkpoint_files
 from atom_like.models.registry import target_model_class
 from atom_like.sampling_params import RequestOutput, SamplingParams
@@ -51,15 +52,19 @@ class LLMEngine:
         self.device = resolve_device(self.args.device)
         self.dtype = resolve_dtype(self.args.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(self.args.max_model_len, self.hf_config)
+        # -tp 1: a ModelRunner in this process; else tensor-parallel workers (a torchrun rank > 0
+        # never returns from here: it serves rank 0's steps, then exits)
+        self.runner: StepExecutor = make_executor(self.args, self.hf_config, self.device, self.dtype,
+                                                  self.max_model_len, proposer_factory)
         self.tokenizer = self._load_tokenizer()
-        self.runner = ModelRunner(self.args, self.hf_config, self.device, self.dtype, self.max_model_len, proposer_factory)
         # a draft's KV at a position is built from the token after it: cache keys take one more token
         self.block_manager = BlockManager(self.runner.num_blocks, self.args.block_size, self.args.enable_prefix_caching,
-                                          lookahead=1 if self.runner.proposer is not None else 0)
+                                          lookahead=1 if self.runner.num_spec_tokens else 0)
         self.eos_token_ids = self._eos_token_ids()
         self.scheduler = Scheduler(self.block_manager, self.args.max_num_seqs, self.args.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids, self.runner.num_spec_tokens)
         self.requests: dict[str, _Request] = {}
+        self._finished_ids: list[str] = []  # finished since the last step; the runner drops their state
         self._ids = itertools.count()
         logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d, prefix caching %s", self.args.model,
                     self.device, str(self.dtype).removeprefix("torch."), self.max_model_len,
@@ -123,11 +128,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
         stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
-        seq = Sequence(request_id, ids, params, generator, stop_ids)
+        seq = Sequence(request_id, ids, params, stop_ids)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None
         self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None, detok)
         self.scheduler.add(seq)
@@ -137,6 +139,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.finish(request.seq, "abort")
+            self._finished_ids.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -154,7 +157,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        results = self.runner.execute(batch)
+        step = StepBatch.from_scheduled(batch, self._finished_ids)
+        self._finished_ids.clear()
+        results = self.runner.execute(step)
         prompt_only = []
         for item, result in zip(batch.seqs, results):
             item.seq.prompt_logprobs.extend(result.prompt_logprobs)
@@ -165,6 +170,10 @@ class LLMEngine:
         for seq in prompt_only:
             self.scheduler.finish(seq, "length")
         return [self._output(seq) for seq in touched]
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at -tp 1); also runs at interpreter exit."""
+        self.runner.shutdown()
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]
@@ -181,6 +190,7 @@ class LLMEngine:
         request.num_seen = len(generated)
         if seq.finished:
             del self.requests[seq.request_id]
+            self._finished_ids.append(seq.request_id)
         return RequestOutput(
             request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             text=request.detokenizer.text if request.detokenizer is not None else "", token_ids=list(generated),

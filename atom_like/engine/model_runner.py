@@ -5,6 +5,12 @@ the proposer's), so this file knows no cache layout. Speculation is not hidden f
 builds the proposer, verifies draft tokens before sampling and runs the draft after the
 target. One extra block beyond those the block manager hands out serves as scratch for padded
 graph rows.
+
+Under tensor parallelism one ModelRunner runs in each rank's process (engine/tp_executor.py)
+on the same StepBatch: the model's collectives give every rank identical logits, the batch
+carries everything the logits processors read, and the runner owns every RNG sampling draws
+from (the shared one seeded with --seed, one per seeded request), so every rank samples,
+verifies and proposes the same tokens.
 """
 from __future__ import annotations
 
@@ -21,14 +27,15 @@ from transformers import PretrainedConfig
 from atom_like.config import EngineArgs, resolve_kv_cache_dtype, text_config
 from atom_like.engine.cuda_graph import DecodeGraphs
 from atom_like.engine.sampler import row_logits_processors, row_sampling_tensors, token_logprobs
-from atom_like.engine.scheduler import ScheduledBatch, SeqStepResult
+from atom_like.engine.scheduler import SeqStepResult
 from atom_like.engine.speculative import build_eagle3_proposer
-from atom_like.engine.step_inputs import HostStep, StepInputs, batch_host_step, host_step, upload
+from atom_like.engine.step_inputs import HostStep, SeqStep, StepBatch, StepInputs, batch_host_step, host_step, upload
 from atom_like.loader.kv_scales import read_kv_scales
-from atom_like.loader.quark import QuarkConfig, quantize_model
+from atom_like.loader.quark import checkpoint_quantizer
 from atom_like.loader.weights import iter_checkpoint, load_weights
 from atom_like.models.base import CausalLM
 from atom_like.models.registry import build_model, target_model_class
+from model_ops import tp
 from model_ops.attention.kv_builder import KVCacheBuilder, PagedKVCacheBuilder
 from model_ops.quant.fp8 import FP8_KV_DTYPES
 from spec_decode.proposer import ProposeInputs, Proposer
@@ -46,6 +53,8 @@ ProposerFactory = Callable[["ModelRunner"], Proposer]
 
 
 class ModelRunner:
+    failure: str | None = None  # StepExecutor: an in-process runner never becomes unusable
+
     def __init__(self, args: EngineArgs, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, proposer_factory: ProposerFactory | None = None):
         """`proposer_factory` replaces the EAGLE3 proposer (tests and benchmarks use an oracle)."""
@@ -56,11 +65,8 @@ class ModelRunner:
             torch.cuda.empty_cache()
         # GPU memory other live objects of this process hold (another engine, a reference model)
         self.baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        quark = QuarkConfig.from_model_config(hf_config)
-        quantize = None if quark is None else (
-            lambda model: quantize_model(model, quark, model.weight_map(), args.mxfp4_activations))
         self.model: CausalLM = build_model(target_model_class(hf_config), text_config(hf_config), dtype, device,
-                                           quantize=quantize)
+                                           quantize=checkpoint_quantizer(hf_config, args.mxfp4_activations))
         weight_map = self.model.weight_map()
         load_weights(self.model, iter_checkpoint(args.model), weight_map)
         self.vocab_size = self.model.config.vocab_size
@@ -83,7 +89,8 @@ class ModelRunner:
         # a verify step plus its draft chain reaches 2k slots past the last verified token
         self.max_blocks_per_seq = math.ceil((max_model_len + 2 * self.num_spec_tokens) / args.block_size)
         self.generator = torch.Generator(device=device).manual_seed(args.seed)
-        self.num_blocks = self._plan_num_blocks()
+        self.request_generators: dict[str, torch.Generator] = {}  # requests that bring a seed
+        self.num_blocks = tp.agree_min(self._plan_num_blocks())  # every rank holds the same blocks
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_bytes / 2**20)
@@ -102,6 +109,17 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         return sum(b.compute_block_bytes() for b in self.builders)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of this rank's weights, target and draft (a tensor they share counted once)."""
+        params = {id(p): p for p in self.model.parameters()}
+        if self.proposer is not None:
+            params.update((id(p), p) for m in self.proposer.modules_to_bind() for p in m.parameters(recurse=False))
+        return sum(p.numel() * p.element_size() for p in params.values())
+
+    def shutdown(self) -> None:
+        """Nothing to release in-process (the tensor-parallel executors stop their workers)."""
 
     def _allocate_kv_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
         tensors: dict[str, torch.Tensor] = {}
@@ -154,7 +172,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._allocate_kv_cache(temp_blocks)
-        step = upload(host_step([np.random.randint(0, self.vocab_size, n) for n in lens], [0] * num_seqs,
+        rng = np.random.default_rng(0)  # the same tokens on every tensor-parallel rank (MoE routing sizes buffers)
+        step = upload(host_step([rng.integers(0, self.vocab_size, n) for n in lens], [0] * num_seqs,
                                 [t.tolist() for t in tables], [[n - 1] for n in lens], self.block_size), self.device)
         hidden = self.model(step.input_ids, step.positions, step.meta)
         self.model.compute_logits(hidden[step.logits_rows]).softmax(-1)
@@ -177,7 +196,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[SeqStepResult]:
+    def execute(self, batch: StepBatch) -> list[SeqStepResult]:
+        for request_id in batch.finished_request_ids:
+            self.request_generators.pop(request_id, None)
         host = batch_host_step(batch, self.block_size)
         graphed = self.graphs is not None and self.graphs.eligible(batch)
         if graphed:
@@ -196,46 +217,55 @@ class ModelRunner:
             self._propose(batch, step, sampling, results, graphed)
         return results
 
-    def _verify(self, batch: ScheduledBatch, step: StepInputs, logits: torch.Tensor, sampling: list[int],
+    def _request_generator(self, seq: SeqStep) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        if seq.request_id not in self.request_generators:
+            self.request_generators[seq.request_id] = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return self.request_generators[seq.request_id]
+
+    def _verify(self, batch: StepBatch, step: StepInputs, logits: torch.Tensor, sampling: list[int],
                 results: list[SeqStepResult]) -> None:
         """Sample each sampling sequence's next token, verifying its draft tokens first if it has any."""
         items = [batch.seqs[i] for i in sampling]
         rows = [step.rows_per_seq[i] for i in sampling]
-        seqs, drafts = [item.seq for item in items], [item.spec_token_ids for item in items]
-        st = row_sampling_tensors(seqs, rows, self.vocab_size, logits.device)
-        processors = row_logits_processors(seqs, drafts, logits.shape[-1], logits.device)
+        drafts = [item.spec_token_ids for item in items]
+        st = row_sampling_tensors([item.params for item in items], [self._request_generator(item) for item in items],
+                                  rows, self.vocab_size, logits.device)
+        processors = row_logits_processors(items, logits.shape[-1], logits.device)
         forced = self.proposer.forced_acceptance if self.proposer else None
         verified = verify(logits, drafts, st, self.generator, forced_acceptance=forced, processors=processors)
         starts = list(itertools.accumulate([0] + rows[:-1]))
         row_of_token = [start + j for start, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
         seq_of_token = [b for b, toks in enumerate(verified.token_ids) for _ in toks]
         flat = torch.tensor([t for toks in verified.token_ids for t in toks], device=logits.device)
-        logprobs = token_logprobs(logits[row_of_token], flat, [items[b].seq.params.logprobs for b in seq_of_token])
+        logprobs = token_logprobs(logits[row_of_token], flat, [items[b].params.logprobs for b in seq_of_token])
         n = 0
         for i, item, accepted, toks in zip(sampling, items, verified.num_accepted, verified.token_ids):
             results[i].new_token_ids, results[i].num_accepted = toks, accepted
-            if item.seq.params.logprobs is not None:
+            if item.params.logprobs is not None:
                 results[i].logprobs = logprobs[n:n + len(toks)]
             n += len(toks)
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, host: HostStep, hidden: torch.Tensor,
+    def _prompt_logprobs(self, batch: StepBatch, host: HostStep, hidden: torch.Tensor,
                          results: list[SeqStepResult]) -> None:
         """Logprobs of the prompt tokens this step's chunks predict (position p scores token p + 1),
         for sequences that ask: from this very forward's hidden states, so they are the engine's
         own numbers. Positions already scored (before a preemption) are skipped."""
         rows, targets, top_n, owners = [], [], [], []
         for b, item in enumerate(batch.seqs):
-            seq = item.seq
-            if seq.params.prompt_logprobs is None:
+            if item.params.prompt_logprobs is None:
                 continue
-            c = seq.num_computed_tokens
-            assert c <= len(seq.prompt_logprobs), "prompt logprobs need every prompt position computed (no cache hit)"
-            start, end = max(c, len(seq.prompt_logprobs)), min(c + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            c, n = item.start, len(item.token_ids)
+            assert c <= item.num_prompt_logprobs, "prompt logprobs need every prompt position computed (no cache hit)"
+            start, end = max(c, item.num_prompt_logprobs), min(c + n, item.num_prompt_tokens - 1)
             if start >= end:
                 continue
+            # tokens c .. c + n: the chunk, then the prompt token after it when the chunk does not end the prompt
+            known = item.token_ids if item.next_token_id is None else item.token_ids + [item.next_token_id]
             rows.extend(range(host.query_start_loc[b] + start - c, host.query_start_loc[b] + end - c))
-            targets.extend(seq.token_ids[start + 1:end + 1])
-            top_n.extend([seq.params.prompt_logprobs] * (end - start))
+            targets.extend(known[start + 1 - c:end + 1 - c])
+            top_n.extend([item.params.prompt_logprobs] * (end - start))
             owners.append((b, end - start))
         if not rows:
             return
@@ -246,19 +276,17 @@ class ModelRunner:
             results[b].prompt_logprobs = scored[n:n + count]
             n += count
 
-    def _propose(self, batch: ScheduledBatch, step: StepInputs, sampling: list[int], results: list[SeqStepResult],
+    def _propose(self, batch: StepBatch, step: StepInputs, sampling: list[int], results: list[SeqStepResult],
                  graphed: bool) -> None:
         qsl = step.meta.query_start_loc.tolist()
         last_rows, next_tokens = [], []
         for b, item in enumerate(batch.seqs):
             res = results[b]
-            last_rows.append(qsl[b] + item.num_new_tokens - 1 + res.num_accepted)
-            if item.samples:
-                next_tokens.append(res.new_token_ids[-1])
-            else:  # an unfinished prompt: its next chunk starts with this token
-                next_tokens.append(item.seq.token_ids[item.seq.num_computed_tokens + item.num_new_tokens])
-        request_ids = [batch.seqs[i].seq.request_id for i in sampling]
-        num_generated = [batch.seqs[i].seq.num_generated + len(results[i].new_token_ids) for i in sampling]
+            last_rows.append(qsl[b] + len(item.token_ids) - 1 + res.num_accepted)
+            # an unfinished prompt: its next chunk starts with next_token_id
+            next_tokens.append(res.new_token_ids[-1] if item.samples else item.next_token_id)
+        request_ids = [batch.seqs[i].request_id for i in sampling]
+        num_generated = [batch.seqs[i].num_generated + len(results[i].new_token_ids) for i in sampling]
         if graphed:
             drafts = self.graphs.run_draft(step, last_rows, next_tokens, request_ids, num_generated)
         else:

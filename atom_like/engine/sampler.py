@@ -1,5 +1,6 @@
-"""From sequences to per-row sampling tensors and logits processors, and from logits to
-OpenAI-style logprobs."""
+"""From a step's sequences (StepBatch's SeqStep: host values, the same on every tensor-parallel
+rank) to per-row sampling tensors and logits processors, and from logits to OpenAI-style
+logprobs."""
 from __future__ import annotations
 
 from itertools import accumulate
@@ -7,29 +8,29 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from atom_like.engine.sequence import Sequence
-from atom_like.sampling_params import TokenLogprobs
+from atom_like.engine.step_inputs import SeqStep
+from atom_like.sampling_params import SamplingParams, TokenLogprobs
 from model_ops.logits_processors import LogitsProcessors, Penalties, TokenEntries
 from model_ops.sampling import SamplingTensors
 
 
-def row_sampling_tensors(seqs: list[Sequence], rows_per_seq: list[int], vocab_size: int,
-                         device: torch.device) -> SamplingTensors:
+def row_sampling_tensors(params: list[SamplingParams], generators: list[torch.Generator | None],
+                         rows_per_seq: list[int], vocab_size: int, device: torch.device) -> SamplingTensors:
     """Sampling settings for logits rows: each sequence's settings (and generator) repeated over
     its rows (its draft tokens + 1 when verifying, else 1)."""
-    expanded = [s for s, n in zip(seqs, rows_per_seq) for _ in range(n)]
+    expanded = [(p, g) for p, g, n in zip(params, generators, rows_per_seq) for _ in range(n)]
     return SamplingTensors.build(
-        [s.params.temperature for s in expanded], [s.params.top_k for s in expanded],
-        [s.params.top_p for s in expanded], [s.generator for s in expanded], vocab_size, device,
+        [p.temperature for p, _ in expanded], [p.top_k for p, _ in expanded],
+        [p.top_p for p, _ in expanded], [g for _, g in expanded], vocab_size, device,
     )
 
 
-def row_logits_processors(seqs: list[Sequence], drafts: list[list[int]], vocab_size: int,
-                          device: torch.device) -> LogitsProcessors | None:
-    """The processors of the logits rows of `seqs` (len(drafts[b]) + 1 consecutive rows each):
-    row j of a sequence scores the token after its first j drafts, so its history is the
+def row_logits_processors(seqs: list[SeqStep], vocab_size: int, device: torch.device) -> LogitsProcessors | None:
+    """The processors of the logits rows of `seqs` (len(spec_token_ids) + 1 consecutive rows
+    each): row j of a sequence scores the token after its first j drafts, so its history is the
     sequence's tokens plus drafts[:j], and it has generated num_generated + j tokens before it.
     None when no sequence asks for any processor."""
+    drafts = [s.spec_token_ids for s in seqs]
     starts = list(accumulate([0] + [len(d) + 1 for d in drafts]))[:-1]
     bias, banned, penalized = [], [], []
     for b, seq in enumerate(seqs):
@@ -68,7 +69,7 @@ def _padded(lists: list[list[int]], pad: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def _penalties(seqs: list[Sequence], drafts: list[list[int]], starts: list[int], penalized: list[int],
+def _penalties(seqs: list[SeqStep], drafts: list[list[int]], starts: list[int], penalized: list[int],
                vocab_size: int, device: torch.device) -> Penalties:
     rows, seq_of_row, draft_prefixes, params = [], [], [], []
     for i, b in enumerate(penalized):
@@ -79,7 +80,7 @@ def _penalties(seqs: list[Sequence], drafts: list[list[int]], starts: list[int],
             params.append(seqs[b].params)
     chosen = [seqs[b] for b in penalized]
     # the prompt matters only to the repetition penalty
-    prompts = [s.token_ids[:s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else [] for s in chosen]
+    prompts = [s.prompt_ids for s in chosen]  # SeqStep sends the prompt only for the repetition penalty
 
     def floats(name: str) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
@@ -87,7 +88,7 @@ def _penalties(seqs: list[Sequence], drafts: list[list[int]], starts: list[int],
     return Penalties(
         rows=torch.tensor(rows, device=device), seq_of_row=torch.tensor(seq_of_row, device=device),
         prompt_ids=_padded(prompts, vocab_size).to(device),
-        output_ids=_padded([s.generated_ids for s in chosen], vocab_size).to(device),
+        output_ids=_padded([s.output_ids for s in chosen], vocab_size).to(device),
         draft_ids=_padded(draft_prefixes, vocab_size).to(device),
         presence=floats("presence_penalty"), frequency=floats("frequency_penalty"),
         repetition=floats("repetition_penalty"))

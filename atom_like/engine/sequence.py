@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from atom_like.sampling_params import SamplingParams, TokenLogprobs
 
 
@@ -16,12 +14,11 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None = None, stop_ids: list[int] | None = None):
+                 stop_ids: list[int] | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.generator = generator  # per-request RNG when the request brings a seed
         self.stop_ids = list(stop_ids or [])  # token ids that end it (what min_tokens holds back)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []

@@ -1,14 +1,65 @@
-"""One step's flat inputs: built on the host from the scheduled batch, then uploaded either to
-fresh device tensors (eager) or into a decode graph's static buffers (see cuda_graph.py)."""
+"""One step's inputs. The scheduler's batch becomes a StepBatch (host values only: what the
+runner needs of each sequence, so it pickles small for tensor-parallel workers), then flat
+arrays on the host, then device tensors: fresh ones (eager) or a decode graph's static buffers
+(see cuda_graph.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from atom_like.engine.scheduler import ScheduledBatch
+from atom_like.engine.sequence import Sequence
+from atom_like.sampling_params import SamplingParams
 from model_ops.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class SeqStep:
+    """One scheduled sequence as the runner sees it. Lists a processor or prompt logprobs need
+    are sent only while a request asks for them, so a plain request's step stays a few ids."""
+    request_id: str
+    token_ids: list[int]  # the known tokens computed this step (a prompt chunk, or the last sampled token)
+    spec_token_ids: list[int]  # draft tokens verified after them
+    start: int  # position of token_ids[0]: the tokens already in the KV cache (a prefix-cache hit included)
+    block_table: list[int]
+    samples: bool  # the step ends at the sequence's last known token, so it yields a new token
+    next_token_id: int | None  # a prompt chunk that does not sample: the prompt token after it (the draft's input)
+    params: SamplingParams
+    num_generated: int  # tokens generated before this step
+    num_prompt_tokens: int
+    num_prompt_logprobs: int = 0  # prompt positions already scored (params.prompt_logprobs): not scored again
+    stop_ids: list[int] = field(default_factory=list)  # what min_tokens holds back, while it does
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt, for the repetition penalty
+    output_ids: list[int] = field(default_factory=list)  # the generated tokens, for the penalties
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int, spec_token_ids: list[int], samples: bool) -> "SeqStep":
+        c, p = seq.num_computed_tokens, seq.params
+        end = c + num_new_tokens
+        return cls(seq.request_id, seq.token_ids[c:end], spec_token_ids, c, seq.block_table, samples,
+                   None if samples else seq.token_ids[end], p, seq.num_generated, seq.num_prompt_tokens,
+                   num_prompt_logprobs=len(seq.prompt_logprobs),
+                   stop_ids=seq.stop_ids if seq.num_generated < p.min_tokens else [],
+                   prompt_ids=seq.token_ids[:seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else [],
+                   output_ids=seq.generated_ids if p.has_penalties else [])
+
+
+@dataclass
+class StepBatch:
+    """What every rank needs of one step: host values only, so it pickles small for the
+    tensor-parallel workers (at -tp 1 the in-process ModelRunner takes the same object)."""
+    seqs: list[SeqStep]
+    # requests finished since the previous step: the runner drops their state (seeded generators)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_scheduled(cls, batch: ScheduledBatch, finished_request_ids: list[str]) -> "StepBatch":
+        # the block tables are the sequences' own lists (no copies): the runner reads them before
+        # the scheduler moves on, and pickling copies them for workers
+        return cls([SeqStep.of(item.seq, item.num_new_tokens, item.spec_token_ids, item.samples)
+                    for item in batch.seqs], list(finished_request_ids))
 
 
 @dataclass
@@ -58,15 +109,14 @@ def host_step(tokens: list[np.ndarray], starts: list[int], tables: list[list[int
                     np.array(starts, dtype=np.int64) + lens, block_tables, rows, [len(r) for r in logits_rows])
 
 
-def batch_host_step(batch: ScheduledBatch, block_size: int) -> HostStep:
+def batch_host_step(batch: StepBatch, block_size: int) -> HostStep:
     tokens, starts, tables, logits_rows = [], [], [], []
-    for item in batch.seqs:
-        seq = item.seq
-        c, n = seq.num_computed_tokens, item.num_new_tokens
-        tokens.append(np.array(seq.token_ids[c:c + n] + item.spec_token_ids, dtype=np.int64))
-        starts.append(c)
-        tables.append(seq.block_table)
-        logits_rows.append(list(range(n - 1, n + len(item.spec_token_ids))) if item.samples else [])
+    for s in batch.seqs:
+        n = len(s.token_ids)
+        tokens.append(np.array(s.token_ids + s.spec_token_ids, dtype=np.int64))
+        starts.append(s.start)
+        tables.append(s.block_table)
+        logits_rows.append(list(range(n - 1, n + len(s.spec_token_ids))) if s.samples else [])
     return host_step(tokens, starts, tables, logits_rows, block_size)
 
 

@@ -1,10 +1,10 @@
 """OpenAI-compatible HTTP server: `python -m atom_like.entrypoints.openai_server --model DIR`.
 
 Every EngineArgs flag is accepted (speculation included: `--method eagle3 --draft-model DIR
---num-speculative-tokens 3`; --model and --draft-model also take zoo names), plus the server's
-own flags below. The port is bound first, then the model loaded (a bad flag, a busy port or a
-bad checkpoint exits at once with the reason); /health turns 200 once the engine thread has run
-a warm-up forward. Endpoints:
+--num-speculative-tokens 3`; --model and --draft-model also take zoo names; `-tp N` for N GPUs,
+also under torchrun: docs/parallel.md), plus the server's own flags below. The port is bound
+first, then the model loaded (a bad flag, a busy port or a bad checkpoint exits at once with the
+reason); /health turns 200 once the engine thread has run a warm-up forward. Endpoints:
 
   POST /v1/completions, /v1/chat/completions   (stream or not)
   GET  /v1/models, /health, /metrics            (with --api-key all but /health need the key)
@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from atom_like.cli import entry_point
 from atom_like.config import EngineArgs, add_flag
 from atom_like.engine.llm_engine import LLMEngine
+from atom_like.engine.tp_executor import torchrun_launch
 from atom_like.entrypoints.engine_loop import EngineLoop
 from atom_like.entrypoints.engine_requests import RequestBuilder, RequestLimits
 from atom_like.entrypoints.errors import OpenAIError, internal_error
@@ -154,6 +155,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     @app.get("/health", responses={503: {"description": "loading, or the warm-up forward failed"}})
     async def health():
+        if engine.runner.failure is not None:  # a tensor-parallel rank died: the engine cannot run again
+            return JSONResponse({"status": "error", "error": engine.runner.failure}, 503)
         if engine_loop.ready:
             return {"status": "ok"}
         if engine_loop.warmup_error is not None:
@@ -193,7 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("max_request_bytes", "max_sequences_per_request", "read_timeout"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0; got {getattr(args, name)}")
-    sock = bind(args.host, args.port)
+    # under torchrun every rank runs this; only rank 0 serves HTTP (the others never return from LLMEngine)
+    launch = torchrun_launch(args.tensor_parallel_size)
+    sock = bind(args.host, args.port) if launch is None or launch[0] == 0 else None
     args.model = model_path(args.model) if args.model is not None else None
     if args.draft_model is not None:
         args.draft_model = model_path(args.draft_model)
@@ -206,7 +211,12 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("serving %r on http://%s:%d", served_model_name, args.host, args.port)
     config = uvicorn.Config(app, http=TimedH11Protocol, timeout_keep_alive=5,
                             access_log=not args.disable_uvicorn_access_log, log_level="info")
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # Ctrl-C: uvicorn has shut the app down and re-raised it (uvicorn.run swallows it the same way)
+    finally:  # Ctrl-C or SIGTERM: -tp N workers go with us
+        engine.shutdown()
 
 
 if __name__ == "__main__":

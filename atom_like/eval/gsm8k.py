@@ -3,6 +3,7 @@ it, and gated on accuracy and speculative acceptance as ATOM's nightly CI gates 
 
     python -m atom_like.eval.gsm8k --entry smollm2-135m-eagle3            # starts the server
     python -m atom_like.eval.gsm8k --entry NAME --base-url http://HOST:PORT  # uses a running one
+    python -m atom_like.eval.gsm8k --entry NAME -tp 2                       # the server on 2 GPUs
     python -m atom_like.eval.gsm8k --entry NAME --server-args=--no-enable-prefix-caching  # a variant
     python -m atom_like.eval.gsm8k --list | --summarize REPORT.json ...
 
@@ -140,6 +141,22 @@ def server_args(entry: CatalogEntry) -> list[str]:
     if entry.draft:
         args += ["--draft-model", resolve_model(entry.draft)]
     return args + entry.server_args
+
+
+TP_FLAGS = ("-tp", "--tensor-parallel-size", "--tensor_parallel_size")
+
+
+def with_tensor_parallel(flags: list[str], size: int) -> list[str]:
+    """`flags` with its tensor-parallel size (if any) replaced by `size`."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in TP_FLAGS:
+            skip = True
+        else:
+            out.append(flag)
+    return out + ["-tp", str(size)]
 
 
 def check_thresholds(entry: CatalogEntry, accuracy: dict[str, float], spec: SpecSnapshot) -> list[str]:
@@ -306,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     add_flag(parser, "limit", int, None, "Only the first N problems (overrides the entry).")
     add_flag(parser, "num_fewshot", int, None, "Exemplars per prompt (overrides the entry).")
     add_flag(parser, "concurrency", int, None, "Requests in flight (overrides the entry).")
+    add_flag(parser, "tensor_parallel_size", int, None, "Start the server with -tp N (overrides the entry).", "-tp")
     add_flag(parser, "output", str, None, "Report JSON (default: gsm8k_<entry>.json in a temp folder).")
     add_flag(parser, "startup_timeout", float, 2700.0, "Seconds to wait for /health (ATOM's CI waits 45 min).")
     add_flag(parser, "force", bool, False, "Run an entry even if it requires hardware we do not have.")
@@ -339,9 +357,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is not None:
             setattr(entry, name, getattr(args, name))
     extra = shlex.split(args.server_args or "")
+    if args.tensor_parallel_size is not None:
+        extra += ["-tp", str(args.tensor_parallel_size)]
     if extra and args.base_url:
-        parser.error("--server-args configures a server this job starts; it cannot change the one at --base-url")
+        parser.error("--server-args and -tp configure a server this job starts; they cannot change the one at "
+                     "--base-url")
     entry.server_args = entry.server_args + extra
+    if args.tensor_parallel_size is not None:  # one -tp: the entry's own (Kimi's 8) is replaced
+        entry.server_args = with_tensor_parallel(entry.server_args, args.tensor_parallel_size)
     if entry.requires and not args.force and not args.base_url:
         print(f"{entry.name} needs {entry.requires}; not run (pass --force to try anyway)", file=sys.stderr)
         return EXIT_NO_HARDWARE

@@ -4,6 +4,8 @@ With no --model it runs the embedded default, the tiny-kimi target (Kimi-K2.5 ar
 shipped in the package) with its EAGLE3 draft at k = 3. --model and --draft-model also take zoo
 names (`python -m atom_like.zoo list`). Applies the tokenizer's chat template when it has one,
 prints each prompt and completion, the throughput and, with a draft, the speculation stats.
+`-tp N` runs it on N GPUs; under torchrun (`torchrun --nproc-per-node N -m
+atom_like.examples.simple_inference ... -tp N`) rank 0 prints and the other ranks serve it.
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{len(outputs)} requests, {generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s")
     if engine.spec_stats.num_drafts:
         print(engine.spec_stats.summary())
+    engine.shutdown()  # -tp N: stop the workers (torchrun: release the other ranks)
 
 
 if __name__ == "__main__":

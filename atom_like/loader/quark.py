@@ -25,7 +25,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -243,6 +243,14 @@ def quantize_model(model: nn.Module, quark: QuarkConfig, weight_map: WeightMap,
     return plan
 
 
+def checkpoint_quantizer(config: PretrainedConfig, activations: ActivationsMode) -> Callable[[nn.Module], object] | None:
+    """build_model's `quantize` for a checkpoint with this config: None unless it is Quark-quantized."""
+    quark = QuarkConfig.from_model_config(config)
+    if quark is None:
+        return None
+    return lambda model: quantize_model(model, quark, model.weight_map(), activations)
+
+
 def _activation_note(schemes: Iterable[MXFP4Scheme], activations: ActivationsMode) -> str:
     if activations == "unquantized":
         return "unquantized (--mxfp4-activations unquantized: W4A16)"
@@ -252,11 +260,12 @@ def _activation_note(schemes: Iterable[MXFP4Scheme], activations: ActivationsMod
 
 
 def _packed_module(module: nn.Module, scheme: MXFP4Scheme) -> nn.Module:
+    """The packed counterpart of `module`, split across tensor-parallel ranks as it is."""
     qa = scheme.quantize_activations
     if isinstance(module, FusedExperts):
         hidden = module.w13.shape[-1]
-        return MXFP4Experts(module.num_experts, hidden, module.intermediate_size, qa)
+        return MXFP4Experts(module.num_experts, hidden, module.sharding.full, qa)
     bias = module.bias is not None
     if isinstance(module, MergedLinear):
-        return MXFP4MergedLinear(module.in_features, module.output_sizes, bias, qa)
-    return MXFP4Linear(module.in_features, module.out_features, bias, qa)
+        return MXFP4MergedLinear(module.in_features, module.output_sizes, bias, qa, module.sharding)
+    return MXFP4Linear(module.in_features, module.out_features, bias, qa, module.sharding)

@@ -12,6 +12,10 @@ transformers' fused 3-D expert tensors), which counts for all of its shards.
 Tensors are copied by value between float types, never between a float and an integer type:
 packed MXFP4 bytes (uint8) only ever land in packed parameters, which may check them further
 (`CheckedParameters`: no NaN scale byte).
+
+Under tensor parallelism a module implementing model_ops.tp.TPSharded says which part of each
+checkpoint tensor this rank holds, and only that part is read: tensors are memory-mapped
+safetensors slices, so no rank ever materialises the full model.
 """
 from __future__ import annotations
 
@@ -26,6 +30,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
+
+from model_ops import tp
+from model_ops.tp import TPSharded, TPSlice
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +116,31 @@ def check_checkpoint_files(folder: str) -> list[str]:
     return files
 
 
-def iter_checkpoint(folder: str, desc: str = "Loading weights") -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointTensor:
+    """One tensor of an open safetensors file, read only when asked: whole, or the slices one
+    tensor-parallel rank holds (memory-mapped, so only those bytes are read)."""
+
+    def __init__(self, handle, name: str):
+        self._handle, self._slice = handle, handle.get_slice(name)
+        self.name = name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
+
+    def read(self, part: TPSlice | None = None, param: str = "") -> torch.Tensor:
+        if part is None:
+            return self._handle.get_tensor(self.name)
+        return torch.cat([self._slice[index] for index in part.stored_index(param)], dim=part.dim)
+
+
+def iter_checkpoint(folder: str, desc: str = "Loading weights") -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of a checkpoint, lazily (valid until the next one is yielded)."""
     files = check_checkpoint_files(folder)
-    for path in tqdm(files, desc=desc, unit="shard", disable=len(files) < 2):
+    for path in tqdm(files, desc=desc, unit="shard", disable=len(files) < 2 or tp.rank() != 0):
         with open_safetensors(path) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor(f, name)
 
 
 def checkpoint_keys(folder: str) -> set[str]:
@@ -149,8 +175,26 @@ def _shards(model: nn.Module, name: str) -> list[Hashable | None]:
     return list(module.weight_shards(local)) if isinstance(module, ShardedParameters) else [None]
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], weight_map: WeightMap) -> list[str]:
-    """Load every parameter of `model`; returns the optional ones the checkpoint lacked."""
+def tp_part(model: nn.Module, name: str, shard: Hashable | None) -> TPSlice | None:
+    """What this rank loads of the checkpoint tensor filling parameter `name` (or its `shard`)."""
+    module_name, _, local = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    return module.tp_slice(local, shard) if isinstance(module, TPSharded) else None
+
+
+def check_tp_slices(model: nn.Module) -> None:
+    """Raise, naming the parameter, where this rank's part of a tensor would cut a quantization
+    block (run on a meta-device skeleton before any worker starts)."""
+    for name in dict(model.named_parameters()):
+        for shard in {*_shards(model, name), None}:
+            part = tp_part(model, name, shard)
+            if part is not None:
+                part.stored_index(name if shard is None else f"{name} (shard {shard})")
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointTensor]], weight_map: WeightMap) -> list[str]:
+    """Load every parameter of `model` (this tensor-parallel rank's part of each); returns the
+    optional ones the checkpoint lacked."""
     params = dict(model.named_parameters())
     expected = {(name, shard) for name in params for shard in _shards(model, name)}
     loaded: set[tuple[str, Hashable | None]] = set()
@@ -169,28 +213,32 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
         if name not in params:
             hint = ("; the checkpoint packs this layer (MXFP4) but its quantization_config leaves it unquantized"
                     if ckpt_name.endswith(".weight_scale") else "")
-            raise ValueError(f"checkpoint tensor {ckpt_name!r} (shape {tuple(tensor.shape)}) has no parameter in "
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} (shape {tensor.shape}) has no parameter in "
                              f"{model_name}{hint}")
         module_name, _, local = name.rpartition(".")
         module = model.get_submodule(module_name)
+        target = params[name].data if shard is None else module.shard_view(local, shard)
+        part = tp_part(model, name, shard)
+        whole = list(target.shape)
+        if part is not None:  # the whole tensor this rank's part is cut from
+            whole[part.dim] = part.full // part.pack
+        # this rank's part; a tensor of another shape is read whole, only to be checked and refused below
+        data = tensor.read(part, name) if tensor.shape == tuple(whole) else tensor.read()
         if isinstance(module, CheckedParameters):
             try:
-                module.check_tensor(local, tensor)
+                module.check_tensor(local, data)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} {e}") from None
-        target = params[name].data
-        if tensor.is_floating_point() != target.is_floating_point():
-            raise ValueError(f"checkpoint tensor {ckpt_name!r} is {tensor.dtype} but {model_name}.{name} is "
+        if data.is_floating_point() != target.is_floating_point():
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} is {data.dtype} but {model_name}.{name} is "
                              f"{target.dtype}: integer (e.g. packed MXFP4) and float tensors are never converted "
                              "into each other; is the checkpoint's quantization_config missing or wrong?")
-        if shard is not None:
-            target = module.shard_view(local, shard)
-        if tuple(tensor.shape) != tuple(target.shape):
+        if tensor.shape != tuple(whole):
             raise ValueError(
-                f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)} but {model_name} expects "
-                f"{tuple(target.shape)} for {name}" + (f" (shard {shard})" if shard is not None else "")
+                f"checkpoint tensor {ckpt_name!r} has shape {tensor.shape} but {model_name} expects "
+                f"{tuple(whole)} for {name}" + (f" (shard {shard})" if shard is not None else "")
             )
-        target.copy_(convert_dtype(tensor, target.dtype))
+        target.copy_(convert_dtype(data, target.dtype))
         loaded.update([(name, shard)] if shard is not None else [(name, s) for s in _shards(model, name)])
 
     absent = expected - loaded

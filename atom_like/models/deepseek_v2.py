@@ -17,11 +17,12 @@ from transformers import PretrainedConfig
 from atom_like.loader.weights import WeightMap
 from atom_like.models.base import DecoderModel, DecoderOnlyLM
 from atom_like.models.llama import LlamaDecoderLayer, LlamaMLP
+from model_ops import tp
 from model_ops.attention.metadata import AttentionMetadata
 from model_ops.attention.mla import MLAAttention
 from model_ops.embed_head import VocabEmbedding
 from model_ops.layernorm import RMSNorm
-from model_ops.linear import Linear, MergedLinear
+from model_ops.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from model_ops.moe import FusedExperts, GatingConfig, TopkRouter, expert_weight_rule
 from model_ops.rotary import RotaryEmbedding
 
@@ -76,7 +77,11 @@ class DeepseekV2Attention(MLAAttention):
 
     `input_size` differs from hidden_size only for EAGLE3 MLA drafts (2H). `latent_norm_eps` is
     the eps of q_a_layernorm / kv_a_layernorm: transformers (and DeepSeek's release code) keep
-    the default 1e-6 there, the EAGLE3 MLA drafts' trainers and servers use rms_norm_eps."""
+    the default 1e-6 there, the EAGLE3 MLA drafts' trainers and servers use rms_norm_eps.
+
+    Tensor parallel: the down-projections (q_a, kv_a) and their norms are replicated, so every
+    rank computes the whole latent row and keeps it in its cache; q_b / q_proj and kv_b_proj are
+    split by heads, o_proj is row-parallel (one all-reduce)."""
 
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, input_size: int | None = None,
                  latent_norm_eps: float = 1e-6):
@@ -88,15 +93,16 @@ class DeepseekV2Attention(MLAAttention):
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         kv_a_size = config.kv_lora_rank + config.qk_rope_head_dim
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        heads = "num_attention_heads x head dims"
         if self.q_lora_rank:
             self.fused_qkv_a_proj_with_mqa = MergedLinear(width, [self.q_lora_rank, kv_a_size], bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, latent_norm_eps)
-            self.q_b_proj = Linear(self.q_lora_rank, num_heads * qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, num_heads * qk_head_dim, what=heads)
         else:
-            self.q_proj = Linear(width, num_heads * qk_head_dim)
+            self.q_proj = ColumnParallelLinear(width, num_heads * qk_head_dim, what=heads)
             self.kv_a_proj_with_mqa = Linear(width, kv_a_size, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, latent_norm_eps)
-        self.o_proj = Linear(num_heads * config.v_head_dim, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * config.v_head_dim, config.hidden_size, bias=bias, what=heads)
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
@@ -122,18 +128,21 @@ def mla_packed_weights(config: PretrainedConfig) -> dict[str, tuple[str, int]]:
 
 
 class DeepseekV2MoE(nn.Module):
-    """Routed experts weighted by the router, plus unscaled shared experts."""
+    """Routed experts weighted by the router, plus unscaled shared experts. Tensor parallel: the
+    router is replicated, routed and shared experts are split along their intermediate dim and
+    their partial sums are reduced together, one all-reduce per layer."""
 
     def __init__(self, config: PretrainedConfig, gating: GatingConfig):
         super().__init__()
         self.gate = TopkRouter(config.hidden_size, gating)
         self.experts = FusedExperts(gating.num_experts, config.hidden_size, config.moe_intermediate_size)
         shared = getattr(config, "n_shared_experts", None) or 0
-        self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * shared) if shared else None
+        self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * shared, reduce=False,
+                                       what="moe_intermediate_size x n_shared_experts") if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return tp.all_reduce(out if self.shared_experts is None else out + self.shared_experts(x))
 
 
 def is_moe_layer(config: PretrainedConfig, index: int) -> bool:

@@ -1,4 +1,8 @@
-"""Llama (LlamaForCausalLM): RMSNorm, RoPE (incl. llama3 / yarn scaling), GQA, SwiGLU."""
+"""Llama (LlamaForCausalLM): RMSNorm, RoPE (incl. llama3 / yarn scaling), GQA, SwiGLU.
+
+Tensor parallel (model_ops.tp): heads split across ranks (KV heads replicated when there are
+fewer than ranks), o_proj and down_proj row-parallel with one all-reduce each, the MLP split
+along its intermediate dim, vocab-parallel embedding and head."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +16,7 @@ from model_ops.attention.layer import PagedAttention
 from model_ops.attention.metadata import AttentionMetadata
 from model_ops.embed_head import VocabEmbedding
 from model_ops.layernorm import RMSNorm
-from model_ops.linear import Linear, MergedLinear
+from model_ops.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_ops.rotary import RotaryEmbedding
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -23,10 +27,13 @@ def llama_head_dim(config: PretrainedConfig) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, reduce: bool = True,
+                 what: str = "intermediate_size"):
+        """Tensor-parallel over the intermediate dim; `reduce=False` returns this rank's partial
+        sum (DeepSeek's shared experts, reduced with the routed ones)."""
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias, what=what)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, reduce=reduce, what=what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -36,13 +43,14 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, input_size: int | None = None):
         """`input_size` differs from hidden_size only for EAGLE3 drafts (2H-wide input)."""
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = llama_head_dim(config)
         bias = getattr(config, "attention_bias", False)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(input_size or config.hidden_size, [q_size, kv_size, kv_size], bias=bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(input_size or config.hidden_size, num_heads, num_kv_heads, self.head_dim, bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias=bias,
+                                        what="attention heads x head_dim")
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 

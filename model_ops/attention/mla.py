@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from model_ops import tp
 from model_ops.attention.backends import AttentionKind, MLABackend
 from model_ops.attention.layer import CachedAttention, Rope
 from model_ops.attention.metadata import AttentionMetadata
-from model_ops.linear import Linear
+from model_ops.linear import ColumnParallelLinear
 
 # Steps whose longest query run is at most this take the absorbed form: decode (1 row) and
 # speculative verification (k + 1 rows) always do, so those steps never expand the context and
@@ -34,7 +35,8 @@ ABSORBED_MAX_QUERY_LEN = 16
 
 
 class MLAAttention(CachedAttention):
-    """The cached core of an MLA layer: owns kv_b_proj; subclasses add the projections and RoPE."""
+    """The cached core of an MLA layer: owns kv_b_proj; subclasses add the projections and RoPE.
+    `num_heads` is the model's; the layer keeps this tensor-parallel rank's share of them."""
 
     kind: AttentionKind = "mla"
     num_kv_scales = 1
@@ -42,10 +44,13 @@ class MLAAttention(CachedAttention):
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, scale: float):
         super().__init__()
-        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        # this rank's heads under tensor parallelism (kv_b_proj holds their rows); the latent
+        # cache row is per token, not per head, so every rank keeps it whole
+        self.num_heads, self.kv_lora_rank = tp.divide(num_heads, "num_attention_heads"), kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.scale = scale
-        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
+                                              what="kv_b_proj rows (num_attention_heads x (qk_nope_head_dim + v_head_dim))")
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)

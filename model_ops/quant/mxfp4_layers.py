@@ -4,7 +4,10 @@ Storage is the checkpoint's, untouched (MXFP4_CONTRACT.md): a Linear keeps `weig
 [N, K/2] and `weight_scale` uint8 E8M0 [N, K/32]; routed experts stack them per expert,
 `w13` [E, 2I, H/2] (gate rows then up rows) with `w13_scale` [E, 2I, H/32], and `w2` [E, H, I/2]
 with `w2_scale` [E, H, I/32]. Each is a plain tensor cut along 32-element blocks only, so a
-tensor-parallel split on block boundaries is a slice of rows or of whole scale columns.
+tensor-parallel split on block boundaries is a slice of rows or of whole scale columns. A packed
+layer takes the sharding of the float layer it replaces (LinearSharding, ExpertsSharding) and
+adds its format's grain: a split along the input features must fall on a 32-element block
+(model_ops.tp.TPSlice refuses, naming the parameter, a -tp that would cut one).
 
 `quantize_activations` is the checkpoint's dynamic MXFP4 `input_tensors`: every GEMM input is
 MXFP4-quantized per 32-element block (Quark's "even" scale) before the product, as the model was
@@ -24,7 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_ops.activation import silu_and_mul
+from model_ops.linear import LinearSharding, sharded_output
+from model_ops.moe import ExpertsSharding
 from model_ops.quant.mxfp4 import BLOCK, E8M0_NAN, dequantize_mxfp4, qdq_mxfp4
+from model_ops.tp import TPSlice
 
 # (x [M, K], weight, weight_scale, bias, *, quantize_activations) -> [M, N]
 MXFP4LinearFn = Callable[..., torch.Tensor]
@@ -96,23 +102,41 @@ def _check_block_multiple(what: str, size: int) -> None:
                          "input elements")
 
 
+def _input_grain(param: str) -> tuple[int, int]:
+    """(logical input elements per stored element, block) of a packed weight or its scales along
+    the input features: 2 FP4 values a byte, one E8M0 scale per 32; both cut only between blocks."""
+    return (BLOCK if param.endswith("scale") else 2), BLOCK
+
+
 class MXFP4Linear(nn.Module):
     """y = (qdq(x) if quantize_activations else x) @ dequantize(weight, weight_scale).T + bias."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, quantize_activations: bool = True):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quantize_activations: bool = True,
+                 sharding: LinearSharding | None = None):
+        """`in_features` / `out_features` are this rank's; `sharding` the float layer's (None: replicated)."""
         super().__init__()
-        _check_block_multiple("input size", in_features)
+        row_parallel = sharding is not None and sharding.along_input
+        _check_block_multiple("input size", sharding.full_sizes[0] if row_parallel else in_features)
         self.in_features, self.out_features = in_features, out_features
-        self.quantize_activations = quantize_activations
+        self.quantize_activations, self.sharding = quantize_activations, sharding
         self.weight = _packed_param(out_features, in_features // 2)
         self.weight_scale = _packed_param(out_features, in_features // BLOCK)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.impl = select_mxfp4_linear_impl(torch.get_default_device())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.impl(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias,
-                        quantize_activations=self.quantize_activations)
-        return out.view(*x.shape[:-1], self.out_features)
+        def product(bias: torch.Tensor | None) -> torch.Tensor:
+            out = self.impl(x.reshape(-1, self.in_features), self.weight, self.weight_scale, bias,
+                            quantize_activations=self.quantize_activations)
+            return out.view(*x.shape[:-1], self.out_features)
+
+        return sharded_output(self.sharding, product, self.bias)
+
+    # TPSharded (model_ops.tp): rows are free to split, input columns only between blocks
+    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice | None:
+        if self.sharding is None:
+            return None
+        return self.sharding.tp_slice(param, shard, *(_input_grain(param) if self.sharding.along_input else (1, 1)))
 
     # CheckedParameters (atom_like.loader.weights)
     def check_tensor(self, param: str, tensor: torch.Tensor) -> None:
@@ -129,8 +153,8 @@ class MXFP4MergedLinear(MXFP4Linear):
     weight, weight_scale and bias are all cut by output rows."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 quantize_activations: bool = True):
-        super().__init__(in_features, sum(output_sizes), bias, quantize_activations)
+                 quantize_activations: bool = True, sharding: LinearSharding | None = None):
+        super().__init__(in_features, sum(output_sizes), bias, quantize_activations, sharding)
         self.output_sizes = list(output_sizes)
 
     def shard_rows(self, shard: int) -> slice:
@@ -149,23 +173,30 @@ class MXFP4MergedLinear(MXFP4Linear):
 
 
 class MXFP4Experts(nn.Module):
-    """FusedExperts' packed counterpart, with the same call: (x, topk_weights, topk_ids) -> [T, H]."""
+    """FusedExperts' packed counterpart, with the same call: (x, topk_weights, topk_ids) -> [T, H].
+    Like FusedExperts it takes the full `intermediate_size` and holds this rank's part of it."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quantize_activations: bool = True):
         super().__init__()
         _check_block_multiple("hidden size (the gate/up input)", hidden_size)
         _check_block_multiple("moe_intermediate_size (the down_proj input)", intermediate_size)
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.sharding = ExpertsSharding.split(intermediate_size)
+        self.num_experts, self.intermediate_size = num_experts, self.sharding.size
         self.quantize_activations = quantize_activations
-        self.w13 = _packed_param(num_experts, 2 * intermediate_size, hidden_size // 2)
-        self.w13_scale = _packed_param(num_experts, 2 * intermediate_size, hidden_size // BLOCK)
-        self.w2 = _packed_param(num_experts, hidden_size, intermediate_size // 2)
-        self.w2_scale = _packed_param(num_experts, hidden_size, intermediate_size // BLOCK)
+        local = self.intermediate_size
+        self.w13 = _packed_param(num_experts, 2 * local, hidden_size // 2)
+        self.w13_scale = _packed_param(num_experts, 2 * local, hidden_size // BLOCK)
+        self.w2 = _packed_param(num_experts, hidden_size, local // 2)
+        self.w2_scale = _packed_param(num_experts, hidden_size, local // BLOCK)
         self.impl = select_mxfp4_experts_impl(torch.get_default_device())
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return self.impl(x, self.w13, self.w13_scale, self.w2, self.w2_scale, topk_weights, topk_ids,
                          quantize_activations=self.quantize_activations)
+
+    # TPSharded (model_ops.tp): w13 splits along its outputs, w2 along its input (between blocks)
+    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice:
+        return self.sharding.tp_slice(param, shard, *(_input_grain(param) if param.startswith("w2") else (1, 1)))
 
     # ShardedParameters (atom_like.loader.weights): one shard per expert and projection, "3.up_proj".
     def weight_shards(self, param: str) -> list[str]:

@@ -1,0 +1,458 @@
+"""Tensor parallelism on GPUs: -tp 2 against -tp 1 in one run, bf16, CUDA graphs on.
+
+Three parts, each writing its results as soon as it has them:
+* allreduce: the collectives of one decode step, alone: per layer two all-reduces of [batch, H]
+  bf16 (attention o_proj, MLP / MoE), one for the embedding, one all-gather of the logits
+  [batch, V/2]; timed eagerly and replayed as one CUDA graph (what the engine's graphs do), on
+  two ranks over NCCL. Run first, while the GPUs are otherwise idle.
+* speed: decode tokens/s at each batch size (default 1 and 32) for an 8B Llama-shaped model
+  (Llama-3.1-8B's shape) and the ~2B DeepSeek-V3-shaped MoE of ci/bench_models.py, random-init
+  bf16 checkpoints written here, -tp 1 and -tp 2; the per-rank weight bytes; the step time the
+  measured collectives take up. Methodology as bench_models.py (prompt 64 random tokens,
+  64 generated, ignore_eos, greedy, one untimed warm-up; prefill excluded). Each step ends in a
+  host read of the sampled tokens, so timing engine.step() needs no extra synchronisation.
+* zoo: each shipped tiny-kimi pair (target + EAGLE3 / EAGLE3-MLA / EAGLE3.1-MLA draft, k = 3)
+  and the SmolLM2 pair when the zoo cache has it, at -tp 1 and -tp 2 on the same prompts (the
+  held-out set at $ATOM_LIKE_EVAL_PROMPTS when staged, else 32 built-in prompts), greedy, 128
+  tokens, all prompts in one batch: mean acceptance length of each, and how many completions
+  are token-identical (bf16 reductions run in another order across two ranks, so near-ties may
+  flip; on CPU in fp32 the tests demand identity). A pair -tp 2 cannot split is reported so.
+* mxfp4: the DeepSeek-shaped MoE converted to the released Quark MXFP4 layout (routed and shared
+  experts and the dense MLP packed, MLA bf16; atom_like.zoo.quark_mxfp4) served with an fp8 KV
+  cache, Kimi-K2.5-MXFP4's setup: decode tokens/s at -tp 1 and -tp 2 and how many greedy
+  completions of the largest batch are token-identical.
+
+Everything runs in one call on a two-GPU machine (nvidia-h200-x2) within --budget-s seconds
+(default 420, so that ci/gpu_check.sh's call ends well inside the device's 10 minutes): a part
+that would start after the budget is spent is recorded as skipped, in the report, not run.
+
+    OUT=dir python ci/bench_tp.py [--parts allreduce,speed,zoo,mxfp4] [--models llama8b,deepseek]
+results: $OUT/bench_tp.json and $OUT/bench_tp.md (default folder ./bench_out)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from queue import Empty
+
+import torch
+
+# NVLink multicast (NVLS) stays off on shared machines: one misbehaving program can take the
+# host's GPUs out of service. Set before NCCL starts; spawned ranks inherit it.
+for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    os.environ.setdefault(_var, "0" if _var == "NCCL_NVLS_ENABLE" else "1")
+
+TP = 2
+START = time.monotonic()
+ZOO_PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain what a KV cache is in one sentence.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "List three prime numbers greater than 50.", "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?", "Give me a recipe for pancakes.", "What does a compiler do?",
+    "Summarize the plot of Romeo and Juliet in two sentences.", "How do vaccines work?",
+    "Write a Python function that reverses a string.", "What is 17 times 23?", "Name the planets of the solar system.",
+    "What causes the seasons on Earth?", "Describe a cat to someone who has never seen one.",
+] * 2
+
+
+def llama8b_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def model_configs():
+    from bench_models import deepseek_config
+
+    return {"llama8b": llama8b_config, "deepseek": deepseek_config}
+
+
+class Results:
+    def __init__(self, out_dir: str, meta: dict):
+        self.path = os.path.join(out_dir, "bench_tp.json")
+        self.data = dict(meta=meta, allreduce=[], speed=[], zoo=[], mxfp4=[], params={}, errors=[])
+        self.out_dir = out_dir
+        self.budget_s = meta["args"]["budget_s"]
+
+    def over_budget(self, **what) -> bool:
+        """True (and the skip recorded) once --budget-s seconds have passed since the start."""
+        spent = time.monotonic() - START
+        if spent < self.budget_s:
+            return False
+        self.add("errors", dict(**what, error=f"skipped: {spent:.0f} s of the {self.budget_s:.0f} s budget spent"))
+        return True
+
+    def add(self, part: str, row: dict) -> None:
+        self.data[part].append(row)
+        print(json.dumps({part: row}, default=str), flush=True)
+        self.save()
+
+    def save(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump(self.data, f, indent=1, default=str)
+        with open(os.path.join(self.out_dir, "bench_tp.md"), "w") as f:
+            f.write(markdown(self.data))
+
+
+# ----------------------------------------------------------------------------- collectives alone
+
+def collective_plan(config, batch: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The collectives of one -tp 2 decode step without speculation (batch tokens)."""
+    h = config.hidden_size
+    return ([("all_reduce", (batch, h))] * (1 + 2 * config.num_hidden_layers)
+            + [("all_gather", (batch, config.vocab_size // TP))])
+
+
+def _allreduce_rank(rank: int, store: str, plans: dict, queue) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=TP)
+    results = {}
+    for key, plan in plans.items():
+        bufs = [torch.randn(shape, dtype=torch.bfloat16, device="cuda") for _, shape in plan]
+        outs = [torch.empty((TP * b.shape[0], *b.shape[1:]), dtype=b.dtype, device="cuda") for b in bufs]
+
+        def step() -> None:
+            for (op, _), buf, out in zip(plan, bufs, outs):
+                if op == "all_reduce":
+                    dist.all_reduce(buf)
+                else:
+                    dist.all_gather_into_tensor(out, buf)
+
+        def timed(fn, n: int = 50) -> float:
+            fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / n
+
+        eager = timed(step)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        results[key] = dict(eager_ms=eager, graph_ms=timed(graph.replay), collectives=len(plan))
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def bench_allreduce(results: Results, names: list[str], batches: list[int]) -> None:
+    configs = model_configs()
+    plans = {f"{name}/{b}": collective_plan(configs[name](), b) for name in names for b in batches}
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        procs = [ctx.Process(target=_allreduce_rank, args=(r, os.path.join(folder, "store"), plans, queue))
+                 for r in range(TP)]
+        for p in procs:
+            p.start()
+        measured = None
+        while measured is None:
+            try:
+                measured = queue.get(timeout=5)
+            except Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(f"an all-reduce rank failed: exit codes {[p.exitcode for p in procs]}") from None
+        for p in procs:
+            p.join()
+    for key, row in measured.items():
+        name, batch = key.split("/")
+        results.add("allreduce", dict(model=name, batch=int(batch), **row))
+
+
+# ----------------------------------------------------------------------------- decode speed
+
+def save_random_model(config, folder: str) -> tuple[str, int]:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return folder, params
+
+
+def decode_tokens_per_s(engine, batch_prompts: list[list[int]], max_tokens: int) -> float:
+    from atom_like import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = {engine.add_request(p, params) for p in batch_prompts}
+    started: set[str] = set()
+    while started != ids:  # prefill (untimed) until every request holds its first token
+        started |= {out.request_id for out in engine.step() if out.token_ids}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(batch_prompts) * (max_tokens - 1) / (time.perf_counter() - start)
+
+
+def bench_speed(results: Results, names: list[str], batches: list[int], prompt_len: int, max_tokens: int) -> None:
+    from bench_models import prompts
+
+    from atom_like import LLMEngine
+
+    configs = model_configs()
+    for name in names:
+        if results.over_budget(part="speed", model=name):
+            continue
+        with tempfile.TemporaryDirectory() as folder:
+            path, params = save_random_model(configs[name](), os.path.join(folder, name))
+            for tp in (1, TP):
+                if results.over_budget(part="speed", model=name, tp=tp):
+                    continue
+                engine = None
+                try:  # a failure is recorded and the other configurations still run
+                    engine = LLMEngine(path, dtype="bfloat16", max_model_len=prompt_len + max_tokens + 16,
+                                       max_num_seqs=max(batches), gpu_memory_utilization=0.5, tensor_parallel_size=tp)
+                    weights = ([engine.runner.param_bytes] if tp == 1 else
+                               [info.param_bytes for info in engine.runner.infos])
+                    results.data["params"][f"{name}/tp{tp}"] = dict(params=params, bytes_per_rank=weights)
+                    for batch in batches:
+                        batch_prompts = prompts(batch, prompt_len, engine.runner.vocab_size)
+                        decode_tokens_per_s(engine, batch_prompts, max_tokens)  # warm-up
+                        tps = decode_tokens_per_s(engine, batch_prompts, max_tokens)
+                        results.add("speed", dict(model=name, tp=tp, batch=batch, tokens_per_s=tps, step_ms=1e3 * batch / tps,
+                                                  weight_gib_per_rank=max(weights) / 2**30))
+                except Exception as exc:  # noqa: BLE001
+                    results.add("errors", dict(part="speed", model=name, tp=tp, error=f"{type(exc).__name__}: {exc}"))
+                if engine is not None:
+                    engine.shutdown()
+                del engine
+                gc.collect()
+                torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- zoo pairs
+
+def zoo_prompts(tokenizer) -> tuple[str, list[list[int]]]:
+    staged = os.environ.get("ATOM_LIKE_EVAL_PROMPTS", ".stage/eval_prompts.jsonl")
+    if os.path.isfile(staged):
+        from atom_like.zoo.acceptance import load_eval_prompts
+
+        chats = [c for cs in load_eval_prompts(staged, 32).values() for c in cs]
+        source = f"{staged} (32 per set)"
+    else:
+        chats = [[{"role": "user", "content": p}] for p in ZOO_PROMPTS]
+        source = "built-in prompts"
+    ids = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+           for c in chats]
+    return source, ids
+
+
+def bench_zoo(results: Results, k: int = 3, max_tokens: int = 128) -> None:
+    from atom_like import LLMEngine, SamplingParams
+    from atom_like.zoo import resolve
+    from atom_like.zoo.registry import locate
+
+    pairs = [("tiny-kimi", "tiny-kimi-eagle3"), ("tiny-kimi", "tiny-kimi-eagle3-mla"),
+             ("tiny-kimi", "tiny-kimi-eagle3.1-mla"), ("smollm2-135m", "smollm2-135m-eagle3")]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    for target, draft in pairs:
+        if locate(target) is None or locate(draft) is None:
+            results.add("zoo", dict(target=target, draft=draft, skipped="not in the zoo cache"))
+            continue
+        runs = {}
+        for tp in (1, TP):
+            if results.over_budget(part="zoo", model=f"{target} + {draft}", tp=tp):
+                continue
+            try:
+                engine = LLMEngine(str(resolve(target)), dtype="bfloat16", method="eagle3", draft_model=str(resolve(draft)),
+                                   num_speculative_tokens=k, max_model_len=4096, max_num_seqs=64,
+                                   gpu_memory_utilization=0.3, tensor_parallel_size=tp)
+            except Exception as exc:  # noqa: BLE001 - e.g. a pair -tp 2 cannot split (SmolLM2's 9 heads)
+                runs[tp] = dict(error=f"{type(exc).__name__}: {exc}")
+                continue
+            try:
+                source, prompt_ids = zoo_prompts(engine.tokenizer)
+                outs = engine.generate(prompt_ids, params, use_tqdm=False)
+                s = engine.spec_stats
+                runs[tp] = dict(tokens=[o.token_ids for o in outs], mean_acceptance_length=s.mean_acceptance_length,
+                                acceptance_rate=s.acceptance_rate, prompts=source)
+            except Exception as exc:  # noqa: BLE001
+                runs[tp] = dict(error=f"{type(exc).__name__}: {exc}")
+            engine.shutdown()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        row = dict(target=target, draft=draft, k=k)
+        for tp, run in runs.items():
+            row[f"tp{tp}"] = {key: v for key, v in run.items() if key != "tokens"}
+        if len(runs) == 2 and all("tokens" in run for run in runs.values()):
+            a, b = runs[1]["tokens"], runs[TP]["tokens"]
+            row["identical_completions"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+            row["same_tokens_before_first_difference"] = sum(_common_prefix(x, y) for x, y in zip(a, b)) / max(1, sum(map(len, a)))
+        results.add("zoo", row)
+
+
+# ----------------------------------------------------------------------------- MXFP4 + fp8 KV
+
+def bench_mxfp4(results: Results, batches: list[int], prompt_len: int, max_tokens: int) -> None:
+    from pathlib import Path
+
+    from bench_models import deepseek_config, prompts
+
+    from atom_like import LLMEngine, SamplingParams
+    from atom_like.zoo.checkpoint import load_tensors
+    from atom_like.zoo.quark_mxfp4 import write
+
+    if results.over_budget(part="mxfp4"):
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        src, _ = save_random_model(deepseek_config(), os.path.join(folder, "bf16"))
+        tensors = {k: v.cuda() for k, v in load_tensors(Path(src)).items()}  # quantized on the GPU: seconds
+        with open(os.path.join(src, "config.json")) as f:
+            config = json.load(f)
+        path = os.path.join(folder, "mxfp4")
+        write(tensors, config, path, style="released")
+        del tensors
+        gc.collect()
+        torch.cuda.empty_cache()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        tokens = {}
+        for tp in (1, TP):
+            if results.over_budget(part="mxfp4", tp=tp):
+                continue
+            engine = None
+            try:
+                engine = LLMEngine(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=prompt_len + max_tokens + 16,
+                                   max_num_seqs=max(batches), gpu_memory_utilization=0.5, tensor_parallel_size=tp)
+                for batch in batches:
+                    batch_prompts = prompts(batch, prompt_len, engine.runner.vocab_size)
+                    decode_tokens_per_s(engine, batch_prompts, max_tokens)  # warm-up
+                    tps = decode_tokens_per_s(engine, batch_prompts, max_tokens)
+                    results.add("mxfp4", dict(tp=tp, batch=batch, tokens_per_s=tps, step_ms=1e3 * batch / tps))
+                big = prompts(max(batches), prompt_len, engine.runner.vocab_size)
+                tokens[tp] = [o.token_ids for o in engine.generate(big, params, use_tqdm=False)]
+            except Exception as exc:  # noqa: BLE001
+                results.add("errors", dict(part="mxfp4", tp=tp, error=f"{type(exc).__name__}: {exc}"))
+            if engine is not None:
+                engine.shutdown()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        if len(tokens) == 2:
+            a, b = tokens[1], tokens[TP]
+            results.add("mxfp4", dict(identical_completions=f"{sum(x == y for x, y in zip(a, b))}/{len(a)}",
+                                      same_tokens_before_first_difference=sum(map(_common_prefix, a, b)) / sum(map(len, a))))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------- report
+
+def markdown(data: dict) -> str:
+    meta = data["meta"]
+    lines = [f"Tensor parallelism, {meta['device']} x{meta['gpus']}, torch {meta['torch']}, bf16, CUDA graphs, {meta['date']}.", ""]
+    if data["speed"]:
+        lines += ["| model | tp | batch | tokens/s | step ms | vs tp 1 | weights GiB / rank | collectives ms / step (graph) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        base = {(r["model"], r["batch"]): r["tokens_per_s"] for r in data["speed"] if r["tp"] == 1}
+        comm = {(r["model"], r["batch"]): r["graph_ms"] for r in data["allreduce"]}
+        for r in data["speed"]:
+            key = (r["model"], r["batch"])
+            ratio = f"{r['tokens_per_s'] / base[key]:.2f}x" if key in base else "-"
+            coll = f"{comm[key]:.3f} ({comm[key] / r['step_ms']:.0%})" if r["tp"] > 1 and key in comm else "-"
+            lines.append(f"| {r['model']} | {r['tp']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
+                         f"{ratio} | {r['weight_gib_per_rank']:.2f} | {coll} |")
+        lines.append("")
+    if data["allreduce"]:
+        lines += ["Collectives of one -tp 2 decode step, alone (2 x layers + 1 all-reduces of [batch, H], one "
+                  "all-gather of [batch, V/2]):", "", "| model | batch | collectives | eager ms | graph ms |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['batch']} | {r['collectives']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} |"
+                  for r in data["allreduce"]]
+        lines.append("")
+    if data["zoo"]:
+        lines += ["| target | draft | tp 1 mean acceptance length | tp 2 | identical completions | same tokens |",
+                  "|---|---|---|---|---|---|"]
+        for r in data["zoo"]:
+            if "skipped" in r:
+                lines.append(f"| {r['target']} | {r['draft']} | {r['skipped']} | | | |")
+                continue
+            cells = [f"{r[t]['mean_acceptance_length']:.3f}" if "error" not in r[t] else r[t]["error"][:120]
+                     for t in ("tp1", f"tp{TP}")]
+            lines.append(f"| {r['target']} | {r['draft']} | {cells[0]} | {cells[1]} | "
+                         f"{r.get('identical_completions', '-')} | {r.get('same_tokens_before_first_difference', 0):.1%} |")
+    if data["mxfp4"]:
+        lines += ["", "DeepSeek-shaped MoE in Quark MXFP4 (released layout), fp8 KV cache:", "",
+                  "| tp | batch | tokens/s | step ms | vs tp 1 |", "|---|---|---|---|---|"]
+        base = {r["batch"]: r["tokens_per_s"] for r in data["mxfp4"] if r.get("tp") == 1}
+        for r in data["mxfp4"]:
+            if "tp" in r:
+                ratio = f"{r['tokens_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
+                lines.append(f"| {r['tp']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {ratio} |")
+            else:
+                lines.append(f"\nGreedy completions identical at -tp 1 and -tp 2: {r['identical_completions']} "
+                             f"({r['same_tokens_before_first_difference']:.1%} of tokens before a first difference)")
+    lines += [f"\nERROR ({e['part']}{', ' + e['model'] if 'model' in e else ''}{', tp ' + str(e['tp']) if 'tp' in e else ''}): "
+              f"{e['error']}" for e in data["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="allreduce,speed,zoo,mxfp4")
+    parser.add_argument("--models", default="llama8b,deepseek")
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="no part starts after this many seconds (skips are reported)")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < TP:
+        sys.exit(f"bench_tp needs {TP} GPUs; torch sees {torch.cuda.device_count()}")
+    out_dir = os.environ.get("OUT", "bench_out")
+    os.makedirs(out_dir, exist_ok=True)
+    import transformers
+
+    meta = dict(device=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), torch=torch.__version__,
+                transformers=transformers.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args),
+                nccl=str(torch.cuda.nccl.version()))
+    results = Results(out_dir, meta)
+    parts, names = args.parts.split(","), args.models.split(",")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    if "allreduce" in parts:
+        try:
+            bench_allreduce(results, names, batches)
+        except Exception as exc:  # noqa: BLE001
+            results.add("errors", dict(part="allreduce", error=f"{type(exc).__name__}: {exc}"))
+    if "speed" in parts:
+        bench_speed(results, names, batches, args.prompt_len, args.max_tokens)
+    if "zoo" in parts:
+        bench_zoo(results)
+    if "mxfp4" in parts:
+        try:
+            bench_mxfp4(results, batches, args.prompt_len, args.max_tokens)
+        except Exception as exc:  # noqa: BLE001
+            results.add("errors", dict(part="mxfp4", error=f"{type(exc).__name__}: {exc}"))
+    results.save()
+    print(markdown(results.data))
+
+
+if __name__ == "__main__":
+    main()

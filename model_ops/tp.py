@@ -1,0 +1,158 @@
+"""Tensor parallelism: this process's place in the tensor-parallel group, its collectives, and
+how a sharded parameter says which part of a checkpoint tensor it holds.
+
+One process per rank (atom_like.engine.tp_executor starts them and sets the state here once).
+Layers read `rank()` / `size()` when they are built to decide which slice of each weight they
+own, and call `all_reduce` / `all_gather` in forward. With size 1 (the default: nothing ever
+set it) every collective is the identity and every slice is the whole tensor, so
+single-process code paths, and the CPU exactness tests built on them, do not change.
+
+Collectives are torch.distributed's on the group given (NCCL on CUDA, RCCL on ROCm, gloo on
+CPU); they run on the current stream, so decode graphs capture them like any kernel.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.12 renames all_gather_into_tensor to all_gather_single; the GPU machines run older
+# torches that only have the former, which newer ones still accept.
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+
+
+@dataclass(frozen=True)
+class TPState:
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None  # None with size > 1: layers can be built, not run (pre-spawn checks)
+    device: torch.device = torch.device("cpu")  # where collectives' scratch tensors live
+
+
+_state = TPState()
+
+
+def state() -> TPState:
+    return _state
+
+
+def rank() -> int:
+    return _state.rank
+
+
+def size() -> int:
+    return _state.size
+
+
+def set_state(new: TPState) -> None:
+    """Set once per process by the worker that owns this rank."""
+    global _state
+    if not 0 <= new.rank < new.size:
+        raise ValueError(f"tensor-parallel rank {new.rank} outside [0, {new.size})")
+    _state = new
+
+
+@contextlib.contextmanager
+def tp_state(rank_: int, size_: int, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Temporarily act as rank `rank_` of `size_` (building a model skeleton on the meta device
+    to check a -tp before any process starts; tests of the slicing)."""
+    old = _state
+    set_state(TPState(rank_, size_, group, old.device))
+    try:
+        yield
+    finally:
+        set_state(old)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place; the identity at size 1."""
+    if _state.size == 1:
+        return x
+    dist.all_reduce(x, group=_state.group)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, rank 0 first; the identity at size 1."""
+    if _state.size == 1:
+        return x
+    out = x.new_empty((_state.size * x.shape[0], *x.shape[1:]))  # rank blocks along dim 0 (gloo needs this form)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=_state.group)
+    d = dim % x.dim()
+    return out.view(_state.size, *x.shape).movedim(0, d).flatten(d, d + 1)
+
+
+def agree_min(value: int) -> int:
+    """The smallest `value` over ranks (e.g. KV blocks each rank's memory allows)."""
+    if _state.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_state.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_state.group)
+    return int(t.item())
+
+
+# ----------------------------------------------------------------------------- partitioning
+
+def divide(total: int, what: str) -> int:
+    """`total` / size, refusing, by name, a size that does not divide it."""
+    if total % _state.size:
+        raise ValueError(f"{what} {total} is not divisible by --tensor-parallel-size {_state.size}: "
+                         f"pick a -tp that divides it")
+    return total // _state.size
+
+
+def rank_range(total: int, what: str) -> tuple[int, int]:
+    """This rank's equal part [start, stop) of `total` elements."""
+    per = divide(total, what)
+    return _state.rank * per, (_state.rank + 1) * per
+
+
+@dataclass(frozen=True)
+class TPSlice:
+    """The part of a checkpoint tensor this rank loads: along `dim`, whose full logical extent is
+    `full`, the ranges [start, stop) in logical elements (features, rows), concatenated in order.
+
+    `pack` logical elements share one stored element along `dim` (2 for packed FP4 weights, 32
+    for E8M0 block scales) and a range must not cut a `block` of logical elements (32 for MXFP4
+    blocks): both belong to the parameter and are set by its layer."""
+    dim: int
+    full: int
+    ranges: tuple[tuple[int, int], ...]
+    pack: int = 1
+    block: int = 1
+
+    @property
+    def length(self) -> int:
+        return sum(stop - start for start, stop in self.ranges)
+
+    def stored_index(self, name: str) -> list[tuple[slice, ...]]:
+        """One index into the stored checkpoint tensor per range; refuses, naming the parameter,
+        a range that cuts a block or a packed element."""
+        grain = max(self.pack, self.block)
+        index = []
+        for start, stop in self.ranges:
+            for edge in (start, stop):
+                if edge % grain:
+                    raise ValueError(
+                        f"{name}: --tensor-parallel-size {_state.size} would cut dim {self.dim} ({self.full} elements) "
+                        f"at element {edge}, inside a {grain}-element block of this format: pick a -tp whose "
+                        f"per-rank part is a multiple of {grain}")
+            index.append((slice(None),) * self.dim + (slice(start // self.pack, stop // self.pack),))
+        return index
+
+
+@runtime_checkable
+class TPSharded(Protocol):
+    """A module whose parameters are (partly) split across tensor-parallel ranks."""
+
+    def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice | None:
+        """What this rank loads of the checkpoint tensor that fills `param` (local name), or of
+        its shard `shard` (ShardedParameters; None: the whole, possibly fused, tensor). None:
+        the tensor is replicated, every rank loads all of it."""
