@@ -2,9 +2,13 @@
 rope + KV write (MHA 32/8 heads D=128; MLA 64 heads, L=512, R=64; bf16 and fp8 caches), SiLU-and-mul
 (I=14336) and the split-K skinny GEMM, each against the eager ops it replaces on the same inputs.
 
-The rope kernel rounds every product and sum to bf16 as the eager ops do, so its outputs must equal
-the eager path bit for bit; SiLU-and-mul may differ where exp() differs by an ulp (at most 1% of
-elements, each by one bf16 ulp); the GEMM by accumulation order (relative error < 1e-2).
+The rope kernel rounds like the eager ops, but the GPU compiler contracts x * cos + r * sin into a
+fused multiply-add (one rounding instead of two), so on an H100 (2026-11-22) a few elements differ
+from the eager path by one bf16 ulp (one e4m3 step in an fp8 cache); the engine's bf16 parity
+tests against an fp32 oracle came out no worse with it (tests/gpu/test_engine_gpu.py). So: equal
+up to one ulp of the stored dtype, on at most 2% of elements. SiLU-and-mul may differ where exp()
+differs by an ulp (at most 1% of elements, each by one bf16 ulp); the GEMM by accumulation order
+(relative error < 1e-2). On the CPU interpreter the rope kernel is bit-exact (tests/test_kernels_rope_kv_cache.py).
 """
 from __future__ import annotations
 
@@ -22,6 +26,18 @@ from model_ops.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 DEVICE, DT = "cuda", torch.bfloat16
+
+
+def assert_within_one_ulp(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """Equal up to one ulp of the stored dtype (bf16: 2^-7 relative, e4m3: 2^-3) on <= 2% of elements."""
+    if got.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        rtol, atol = 2**-3, 2**-9 * float(scale)  # e4m3's smallest subnormal step, times the scale
+        got, expected = got.float() * float(scale), expected.float() * float(scale)
+    else:
+        rtol, atol = 2**-7, 1e-6
+    differ = (got != expected).float().mean().item()
+    assert differ <= 0.02, f"{differ:.2%} of elements differ"
+    torch.testing.assert_close(got.float(), expected.float(), rtol=rtol, atol=atol)
 
 
 def _setup(rot: int, interleaved: bool, tokens: int, g):
@@ -52,9 +68,9 @@ def test_rope_write_mha(fp8, tokens):
         else:
             torch_ref.write_cache(cache, rows, slots)
     q_out = rope_write_kv_cache(q, k, v, k_cache, v_cache, cos, sin, slots, **scales)
-    assert torch.equal(q_out, rotary.apply(q, cos, sin))
-    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
-    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    assert_within_one_ulp(q_out, rotary.apply(q, cos, sin))
+    assert_within_one_ulp(k_cache, k_ref, scales.get("k_scale"))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))  # v is not rotated: bit for bit
 
 
 @pytest.mark.parametrize("tokens", [1, 37])
@@ -67,8 +83,9 @@ def test_rope_write_mla(tokens):
     expected = cache.clone()
     torch_ref.write_cache(expected, torch.cat([c_kv, rotary.apply(k_pe.unsqueeze(1), cos, sin).squeeze(1)], -1), slots)
     q_out = rope_write_mla_kv_cache(q[..., 128:], c_kv, k_pe, cache, cos, sin, slots)
-    assert torch.equal(q_out, rotary.apply(q[..., 128:], cos, sin))
-    assert torch.equal(cache, expected)
+    assert_within_one_ulp(q_out, rotary.apply(q[..., 128:], cos, sin))
+    assert_within_one_ulp(cache, expected)
+    assert torch.equal(cache[..., :512], expected[..., :512])  # the latent part is copied, not rotated
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 1000])
