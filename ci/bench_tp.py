@@ -160,15 +160,17 @@ def bench_allreduce(results: Results, names: list[str], batches: list[int]) -> N
                  for r in range(TP)]
         for p in procs:
             p.start()
-        measured = None
+        measured, deadline = None, time.monotonic() + 180
         while measured is None:
             try:
                 measured = queue.get(timeout=5)
             except Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
+                failed = any(p.exitcode not in (None, 0) for p in procs)
+                if failed or time.monotonic() > deadline:  # a hung collective must not eat the device call
                     for p in procs:
                         p.kill()
-                    raise RuntimeError(f"an all-reduce rank failed: exit codes {[p.exitcode for p in procs]}") from None
+                    why = "failed" if failed else "gave no result within 180 s (hung?)"
+                    raise RuntimeError(f"an all-reduce rank {why}: exit codes {[p.exitcode for p in procs]}") from None
         for p in procs:
             p.join()
     for key, row in measured.items():
