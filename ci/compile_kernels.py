@@ -47,7 +47,10 @@ import kernels_rocm.mxfp4_linear as mxfp4_linear_mod  # noqa: E402
 import kernels_rocm.mxfp4_moe as mxfp4_moe_mod  # noqa: E402
 import kernels_rocm.paged_attention as paged_mod  # noqa: E402
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache  # noqa: E402
+from kernels_rocm.activation import silu_and_mul  # noqa: E402
 from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from kernels_rocm.rope_kv_cache import rope_write_kv_cache, rope_write_mla_kv_cache  # noqa: E402
+from kernels_rocm.skinny_gemm import skinny_gemm  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,21 @@ def _mla(heads, seqs, q_len, ctx, splits, block_size=16, kv_dtype=None):
     scale = _t(1, dtype=torch.float32) if kv_dtype else None
     mla_mod.mla_paged_attention(q[..., :512], q[..., 512:], cache, *_attention_metadata(seqs, q_len, ctx, block_size),
                                 0.072, kv_scale=scale, num_kv_splits=splits)
+
+
+def _rope_mha(kv_dtype=None):
+    """Llama-3.1-8B: 32 q / 8 kv heads, D 128 (neox)."""
+    scales = dict(k_scale=_t(1, dtype=torch.float32), v_scale=_t(1, dtype=torch.float32)) if kv_dtype else {}
+    rope_write_kv_cache(_t(64, 32, 128), _t(64, 8, 128), _t(64, 8, 128), _t(99, 16, 8, 128, dtype=kv_dtype or torch.bfloat16),
+                        _t(99, 16, 8, 128, dtype=kv_dtype or torch.bfloat16), _t(64, 64), _t(64, 64),
+                        _t(64, dtype=torch.int64), **scales)
+
+
+def _rope_mla(kv_dtype=None):
+    """Kimi: 64 heads' q_pe, latent rows 512 + 64 (interleaved)."""
+    scale = _t(1, dtype=torch.float32) if kv_dtype else None
+    rope_write_mla_kv_cache(_t(64, 64, 64), _t(64, 512), _t(64, 64), _t(99, 16, 576, dtype=kv_dtype or torch.bfloat16),
+                            _t(64, 32), _t(64, 32), _t(64, dtype=torch.int64), interleaved=True, scale=scale)
 
 
 def _mxfp4_linear(m, n, k, quantize, split=None):
@@ -159,12 +177,21 @@ CASES: dict[str, Callable[[str], None]] = {
     "MHA 8/8 D128 fp8 decode split 16": lambda t: _mha(8, 8, 128, 4, 1, 32768, 16, kv_dtype=_fp8_dtype(t)),
     "MLA 8h fp8 decode split 16": lambda t: _mla(8, 4, 1, 32768, 16, kv_dtype=_fp8_dtype(t)),
     "MLA 8h fp8 verify 4 no split": lambda t: _mla(8, 64, 4, 8192, 1, kv_dtype=_fp8_dtype(t)),
+    "rope + kv write MHA 32/8 D128": lambda _: _rope_mha(),
+    "rope + kv write MHA fp8": lambda t: _rope_mha(_fp8_dtype(t)),
+    "rope + kv write MLA 64h 512+64": lambda _: _rope_mla(),
+    "rope + kv write MLA fp8": lambda t: _rope_mla(_fp8_dtype(t)),
+    "SiLU-and-mul I14336": lambda _: silu_and_mul(_t(64, 2 * 14336)),
+    "skinny GEMM M16 N6144 K4096": lambda _: skinny_gemm(_t(16, 4096), _t(6144, 4096)),
+    "skinny GEMM M1 N4096 K14336 256": lambda _: skinny_gemm(_t(1, 14336), _t(4096, 14336), block_k=256),
     "RMSNorm H7168": lambda _: rms_norm(_t(64, 7168), _t(7168), 1e-6),
     "add+RMSNorm H7168": lambda _: fused_add_rms_norm(_t(64, 7168), _t(64, 7168), _t(7168), 1e-6),
 }
 QUICK_CASES = ("kv write MHA 8x128", "MHA 8/8 D128 decode split 16", "MLA 8h decode split 16",
                "MoE E64 H2048 I1024 T8", "add+RMSNorm H7168", "MXFP4 MoE Kimi TP8 T1 w4a4 split 8",
-               "MXFP4 linear M4 N512 K7168 w4a4 split 8", "kv write MLA fp8", "MLA 8h fp8 decode split 16")
+               "MXFP4 linear M4 N512 K7168 w4a4 split 8", "kv write MLA fp8", "MLA 8h fp8 decode split 16",
+               "rope + kv write MHA 32/8 D128", "rope + kv write MLA fp8", "SiLU-and-mul I14336",
+               "skinny GEMM M16 N6144 K4096")
 
 
 @dataclass

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the GPU tests and every benchmark, results under $OUT.
 #
-#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy] [tp]
+#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy] [roofline] [tp]
+#
+# roofline (not in the default set; one H100, < 9 min) runs ci/bench_roofline.py: the Llama-3.1-8B shape's
+# decode step vs the copy-bandwidth roofline and transformers at batch 1/16/64, a torch.profiler
+# breakdown (GPU idle %, kernels and synchronize calls per step), and cuBLAS vs split-K Triton skinny
+# GEMMs; $BENCH_ROOFLINE_ARGS passes flags (e.g. "--parts engine,profile").
 #
 # tp (not in the default list: it needs two GPUs, e.g. nvidia-h200-x2) runs ci/bench_tp.py: -tp 2 vs
 # -tp 1 decode speed (8B Llama shape, DeepSeek-shaped MoE), the step's collectives alone, and the zoo
@@ -53,6 +58,7 @@ for part in "${parts[@]}"; do
              ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
     prefix) run gsm8k_prefix env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k_prefix" \
              GSM8K_COMPARE=--no-enable-prefix-caching ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
+    roofline) run bench_roofline python3 ci/bench_roofline.py ${BENCH_ROOFLINE_ARGS:-} ;;
     mxfp4_accuracy) run bench_mxfp4_accuracy python3 ci/bench_mxfp4_accuracy.py --out "$OUT" ;;
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
   esac

@@ -18,15 +18,24 @@ class SamplingTensors:
     top_k: torch.Tensor  # [R] int64, vocab size when off
     top_p: torch.Tensor  # [R] float32
     generators: list[torch.Generator | None]  # per-row RNG (None: the shared one)
+    # every row is greedy: known on the host, so the greedy path never reads it back from the device
+    all_greedy: bool
 
     @classmethod
     def build(cls, temperature: list[float], top_k: list[int], top_p: list[float],
               generators: list[torch.Generator | None], vocab_size: int, device: torch.device) -> "SamplingTensors":
+        def upload(values: list, dtype: torch.dtype) -> torch.Tensor:
+            # a blocking host-to-GPU copy synchronizes the stream (the host waits for every queued
+            # kernel); this one is ordered before the kernels that read it, and the source is
+            # pageable memory the driver stages before returning, so nothing waits
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor([vocab_size if k < 1 else min(k, vocab_size) for k in top_k], device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            temperature=upload(temperature, torch.float32),
+            top_k=upload([vocab_size if k < 1 else min(k, vocab_size) for k in top_k], torch.int64),
+            top_p=upload(top_p, torch.float32),
             generators=generators,
+            all_greedy=all(t == 0 for t in temperature),
         )
 
     @property
@@ -35,8 +44,9 @@ class SamplingTensors:
 
     def rows(self, index: torch.Tensor) -> "SamplingTensors":
         idx = index.tolist()
-        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index],
-                               [self.generators[i] for i in idx])
+        temperature = self.temperature[index]
+        return SamplingTensors(temperature, self.top_k[index], self.top_p[index], [self.generators[i] for i in idx],
+                               self.all_greedy or bool((temperature == 0).all()))
 
 
 def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

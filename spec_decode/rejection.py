@@ -46,7 +46,7 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], st: SamplingTensors, s
         return _verify_forced(logits.argmax(dim=-1).tolist(), drafts, forced_acceptance)
     if processors is not None:
         logits = processors(logits)
-    if bool(st.greedy.all()) and draft_probs is None:
+    if st.all_greedy and draft_probs is None:  # a host fact: no device read-back
         return _verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
 
     device = logits.device

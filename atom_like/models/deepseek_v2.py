@@ -113,9 +113,9 @@ class DeepseekV2Attention(MLAAttention):
             q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         q_nope, q_pe = q.view(x.shape[0], self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
         latent, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        q_pe = self.rotary.apply(q_pe, *cos_sin)
-        k_pe = self.rotary.apply(k_pe.unsqueeze(1), *cos_sin).squeeze(1)
-        return self.o_proj(self.attend(q_nope, q_pe, self.kv_a_layernorm(latent), k_pe, meta))
+        # q_pe and k_pe are rotated as the latent row is written (one kernel on the Triton backend)
+        out = self.attend(q_nope, q_pe, self.kv_a_layernorm(latent), k_pe, meta, rope=(self.rotary, cos_sin))
+        return self.o_proj(out)
 
 
 def mla_packed_weights(config: PretrainedConfig) -> dict[str, tuple[str, int]]:

@@ -56,9 +56,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.rotary.apply(q.view(-1, self.num_heads, self.head_dim), *cos_sin)
-        k = self.rotary.apply(k.view(-1, self.num_kv_heads, self.head_dim), *cos_sin)
-        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
+        q, k, v = (t.view(-1, heads, self.head_dim) for t, heads in
+                   ((q, self.num_heads), (k, self.num_kv_heads), (v, self.num_kv_heads)))
+        out = self.attn(q, k, v, meta, rope=(self.rotary, cos_sin))  # rotated as the cache is written
         return self.o_proj(out.flatten(1))
 
 

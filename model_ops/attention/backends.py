@@ -10,6 +10,10 @@ absorbed call has exactly the signature of the Triton kernel `kernels_rocm.mla_d
 mla_paged_attention` (q_latent, q_pe, latent cache, metadata, scale -> [T, N, L]), so a kernel
 is a few-line subclass and the MLA layer never changes.
 
+Rotary embedding can ride along with the write (`write_rotated`): the reference rotates eagerly
+(model_ops.rotary) and writes; the Triton backends rotate q and k inside the cache-write kernel
+(kernels_rocm.rope_kv_cache), one launch instead of ~15 a layer.
+
 `scales` are a layer's fp8 KV-cache scales, 1-element fp32 device tensors: (k_scale, v_scale)
 for MHA, (scale,) for MLA's latent rows; None when the cache is not fp8 (MXFP4_CONTRACT.md).
 """
@@ -23,6 +27,9 @@ import torch
 
 from model_ops.attention import torch_ref
 from model_ops.attention.metadata import AttentionMetadata
+from model_ops.rotary import RotaryEmbedding
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
 
 AttentionKind = Literal["mha", "mla"]
 Role = Literal["target", "draft"]
@@ -66,6 +73,16 @@ def _kernel_scales(scales: KVScales, *names: str) -> dict[str, torch.Tensor]:
 
 
 class MHABackend(AttentionBackend):
+    def write_rotated(self, cache: torch.Tensor, q: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
+                      rotary: RotaryEmbedding, cos_sin: CosSin, slot_mapping: torch.Tensor,
+                      scales: KVScales = None) -> torch.Tensor:
+        """Rotate q [T, Hq, D] and the key of rows = (key, value), write (rope(key), value);
+        return rope(q). The eager reference; kernels override it."""
+        key, value = rows
+        q, key = rotary.apply(q, *cos_sin), rotary.apply(key, *cos_sin)
+        self.write(cache, (key, value), slot_mapping, scales)
+        return q
+
     @abstractmethod
     def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                scales: KVScales = None) -> torch.Tensor: ...
@@ -97,6 +114,13 @@ class TritonMHABackend(MHABackend):
         key, value = rows
         write_kv_cache(key, value, cache[0], cache[1], slot_mapping, **_kernel_scales(scales, "k_scale", "v_scale"))
 
+    def write_rotated(self, cache, q, rows, rotary, cos_sin, slot_mapping, scales=None):
+        from kernels_rocm.rope_kv_cache import rope_write_kv_cache
+
+        key, value = rows
+        return rope_write_kv_cache(q, key, value, cache[0], cache[1], *cos_sin, slot_mapping, rotary.interleaved,
+                                   **_kernel_scales(scales, "k_scale", "v_scale"))
+
     def attend(self, q, cache, meta, scale, scales=None):
         from kernels_rocm.paged_attention import paged_attention
 
@@ -113,6 +137,17 @@ class MLABackend(AttentionBackend):
 
     def write(self, cache, rows, slot_mapping, scales=None):
         torch_ref.write_cache(cache, torch.cat(rows, dim=-1), slot_mapping, _latent(scales))
+
+    def write_rotated(self, cache: torch.Tensor, q_pe: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
+                      rotary: RotaryEmbedding, cos_sin: CosSin, slot_mapping: torch.Tensor,
+                      scales: KVScales = None) -> torch.Tensor:
+        """Rotate q_pe [T, N, R] and the k_pe of rows = (latent, k_pe), write [latent | rope(k_pe)];
+        return rope(q_pe). The eager reference; kernels override it."""
+        latent, k_pe = rows
+        q_pe = rotary.apply(q_pe, *cos_sin)
+        k_pe = rotary.apply(k_pe.unsqueeze(1), *cos_sin).squeeze(1)
+        self.write(cache, (latent, k_pe), slot_mapping, scales)
+        return q_pe
 
     @abstractmethod
     def attend_absorbed(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
@@ -148,6 +183,12 @@ class TritonMLABackend(MLABackend):
         from kernels_rocm.kv_cache import write_mla_kv_cache
 
         write_mla_kv_cache(rows[0], rows[1], cache, slot_mapping, **_kernel_scales(scales, "scale"))
+
+    def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None):
+        from kernels_rocm.rope_kv_cache import rope_write_mla_kv_cache
+
+        return rope_write_mla_kv_cache(q_pe, rows[0], rows[1], cache, *cos_sin, slot_mapping, rotary.interleaved,
+                                       **_kernel_scales(scales, "scale"))
 
     def attend_absorbed(self, q_latent, q_pe, cache, meta, scale, scales=None):
         from kernels_rocm.mla_decode import mla_paged_attention

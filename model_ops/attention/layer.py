@@ -11,8 +11,12 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from model_ops.attention.backends import AttentionBackend, AttentionKind, KVScales
+from model_ops.attention.backends import AttentionBackend, AttentionKind, CosSin, KVScales, MHABackend
 from model_ops.attention.metadata import AttentionMetadata
+from model_ops.rotary import RotaryEmbedding
+
+# a step's rotation for layers that rotate while writing their cache: the layer's rotary and cos/sin rows
+Rope = tuple[RotaryEmbedding, CosSin]
 
 
 class CachedAttention(nn.Module, ABC):
@@ -54,8 +58,12 @@ class PagedAttention(CachedAttention):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                rope: Rope) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens, q and k not rotated yet -> [T, Hq, D].
+        The backend rotates q and k by `rope` as it writes the cache (one kernel on Triton)."""
         cache, backend = self._bound()
-        backend.write(cache, (k, v), meta.slot_mapping, self.kv_scales)
+        if not isinstance(backend, MHABackend):
+            raise TypeError(f"MHA layer bound to {type(backend).__name__}, which is not an MHABackend")
+        q = backend.write_rotated(cache, q, (k, v), *rope, meta.slot_mapping, self.kv_scales)
         return backend.attend(q, cache, meta, self.scale, self.kv_scales)

@@ -1,0 +1,93 @@
+"""The decode-path fusions compiled, in bf16, at Llama-3.1-8B / Kimi sizes (needs a CUDA or ROCm GPU):
+rope + KV write (MHA 32/8 heads D=128; MLA 64 heads, L=512, R=64; bf16 and fp8 caches), SiLU-and-mul
+(I=14336) and the split-K skinny GEMM, each against the eager ops it replaces on the same inputs.
+
+The rope kernel rounds every product and sum to bf16 as the eager ops do, so its outputs must equal
+the eager path bit for bit; SiLU-and-mul may differ where exp() differs by an ulp (at most 1% of
+elements, each by one bf16 ulp); the GEMM by accumulation order (relative error < 1e-2).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from kernels_rocm.activation import silu_and_mul
+from kernels_rocm.rope_kv_cache import rope_write_kv_cache, rope_write_mla_kv_cache
+from kernels_rocm.skinny_gemm import skinny_gemm
+from model_ops.attention import torch_ref
+from model_ops.quant.fp8 import quantize_fp8
+from model_ops.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+DEVICE, DT = "cuda", torch.bfloat16
+
+
+def _setup(rot: int, interleaved: bool, tokens: int, g):
+    with torch.device(DEVICE):
+        rotary = RotaryEmbedding(LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0),
+                                 rot, interleaved)
+    positions = torch.randint(0, 8192, (tokens,), generator=g).to(DEVICE)
+    slots = torch.randperm(64 * 16, generator=g)[:tokens].to(DEVICE)
+    slots[1::7] = -1
+    return rotary, rotary.cos_sin(positions, DT), slots
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_cache", "fp8_cache"])
+@pytest.mark.parametrize("tokens", [1, 37, 513])
+def test_rope_write_mha(fp8, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    rotary, (cos, sin), slots = _setup(128, False, tokens, g)
+    qkv = torch.randn(tokens, (32 + 16) * 128, generator=g).to(DEVICE, DT)
+    q, k, v = (t.view(tokens, -1, 128) for t in qkv.split([4096, 1024, 1024], dim=-1))
+    cache_dtype = torch.float8_e4m3fn if fp8 else DT
+    k_cache = torch.randn(64, 16, 8, 128, generator=g).to(DEVICE, cache_dtype)
+    v_cache = torch.randn(64, 16, 8, 128, generator=g).to(DEVICE, cache_dtype)
+    scales = dict(k_scale=torch.tensor([0.05], device=DEVICE), v_scale=torch.tensor([0.02], device=DEVICE)) if fp8 else {}
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    for cache, rows, scale in ((k_ref, rotary.apply(k, cos, sin), scales.get("k_scale")), (v_ref, v, scales.get("v_scale"))):
+        if fp8:
+            torch_ref.write_cache(cache.view(torch.uint8), quantize_fp8(rows, scale, cache_dtype).view(torch.uint8), slots)
+        else:
+            torch_ref.write_cache(cache, rows, slots)
+    q_out = rope_write_kv_cache(q, k, v, k_cache, v_cache, cos, sin, slots, **scales)
+    assert torch.equal(q_out, rotary.apply(q, cos, sin))
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_rope_write_mla(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    rotary, (cos, sin), slots = _setup(64, True, tokens, g)
+    q = torch.randn(tokens, 64, 192, generator=g).to(DEVICE, DT)
+    c_kv, k_pe = torch.randn(tokens, 576, generator=g).to(DEVICE, DT).split([512, 64], dim=-1)
+    cache = torch.randn(64, 16, 576, generator=g).to(DEVICE, DT)
+    expected = cache.clone()
+    torch_ref.write_cache(expected, torch.cat([c_kv, rotary.apply(k_pe.unsqueeze(1), cos, sin).squeeze(1)], -1), slots)
+    q_out = rope_write_mla_kv_cache(q[..., 128:], c_kv, k_pe, cache, cos, sin, slots)
+    assert torch.equal(q_out, rotary.apply(q[..., 128:], cos, sin))
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 1000])
+def test_silu_and_mul(tokens):
+    x = (torch.randn(tokens, 2 * 14336, generator=torch.Generator().manual_seed(tokens)) * 3).to(DEVICE, DT)
+    gate, up = x.chunk(2, dim=-1)
+    out, expected = silu_and_mul(x), F.silu(gate) * up  # the eager ops model_ops.activation runs on CPU
+    differ = out != expected
+    assert differ.float().mean() < 0.01
+    torch.testing.assert_close(out, expected, atol=0.0, rtol=2**-7)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("n_k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+                         ids=["qkv", "o_proj", "gate_up", "down"])
+def test_skinny_gemm(m, n_k):
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, n_k[1], generator=g).to(DEVICE, DT)
+    w = (torch.randn(*n_k, generator=g) * 0.02).to(DEVICE, DT)
+    ref = F.linear(x.float(), w.float())
+    out = skinny_gemm(x, w).float()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
