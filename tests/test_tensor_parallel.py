@@ -180,7 +180,8 @@ def test_mxfp4_kimi_tp2(mxfp4_kimi, kv_cache_dtype):
     one = LLMEngine(path, kv_cache_dtype=kv_cache_dtype, **COMMON)
     assert sum(isinstance(m, MXFP4Experts) for m in one.runner.model.modules()) == 2
     engine = LLMEngine(path, tensor_parallel_size=2, kv_cache_dtype=kv_cache_dtype, **COMMON)
-    assert generate(engine) == generate(one)
+    short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)  # the CPU reference MoE is slow
+    assert generate(engine, PROMPTS[:2], short) == generate(one, PROMPTS[:2], short)
     assert all(info.param_bytes < 0.7 * one.runner.param_bytes for info in engine.runner.infos)
     engine.shutdown()
     assert_all_exited(engine)
