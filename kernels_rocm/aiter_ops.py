@@ -150,20 +150,21 @@ def mla_decode_metadata(query_start_loc: torch.Tensor, context_lens: torch.Tenso
     """Our block tables / context lengths -> aiter's indptr arrays, on the device, with static shapes
     (a graph replays it): `kv_indices` holds every sequence's slots packed at kv_indptr[b], in a
     buffer of B x (table width x block_size) so no host read of the lengths is needed. Slots are
-    formed in int64 (block ids past 65,535 times the block size) and stored as int32 as aiter reads
-    them; the caller checks the pool has fewer than 2^31 slots."""
+    int32, as aiter reads them: exact for block ids past 65,535 as long as the pool has fewer than
+    2^31 slots, which the caller checks. The B x W temporaries (int32 slots, int64 scatter index)
+    are the price of doing this in torch: 12 bytes a table entry, 400 MB at 256 sequences of 128k."""
     num_seqs, width = block_tables.shape
     device = block_tables.device
     ctx = context_lens.to(torch.int32)
     kv_indptr = torch.zeros(num_seqs + 1, dtype=torch.int32, device=device)
     kv_indptr[1:] = torch.cumsum(ctx, 0, dtype=torch.int32)
-    pos = torch.arange(width * block_size, device=device)
-    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, W * bs]
+    pos = torch.arange(width * block_size, device=device, dtype=torch.int32)
+    slots = block_tables.to(torch.int32)[:, pos // block_size] * block_size + pos % block_size  # [B, W * bs]
     capacity = num_seqs * width * block_size
     # token j of sequence b goes to kv_indptr[b] + j; positions past its context to a dump slot
     dest = torch.where(pos[None, :] < ctx[:, None], kv_indptr[:-1, None].long() + pos[None, :], capacity)
     kv_indices = torch.zeros(capacity + 1, dtype=torch.int32, device=device)
-    kv_indices.scatter_(0, dest.flatten(), slots.flatten().to(torch.int32))
+    kv_indices.scatter_(0, dest.flatten(), slots.flatten())
     return MLADecodeMetadata(
         qo_indptr=query_start_loc.to(torch.int32),
         kv_indptr=kv_indptr,
