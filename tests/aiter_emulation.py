@@ -12,6 +12,7 @@ What it cannot tell: anything about the kernels' own numerics, speed, or bugs.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 
@@ -113,6 +114,7 @@ class EmulatedAiter:
     # ------------------------------------------------------------------ shuffles
 
     @staticmethod
+    @functools.cache
     def _weight_order(rows: int, cols: int) -> torch.Tensor:
         """Source flat index of each destination byte of shuffle_weight(layout=(16, 16)) on uint8
         [rows, cols]: 16-row x 32-byte tiles in row-block then column-block order; inside a tile,
@@ -142,6 +144,7 @@ class EmulatedAiter:
         return out.reshape(x.shape)
 
     @staticmethod
+    @functools.cache
     def _scale_order(rows: int, cols: int) -> torch.Tensor:
         """Source (row, col) flat index of each destination byte of e8m0_shuffle on a [rows, cols]
         buffer already padded to multiples of (32, 8): 32-row x 8-column tiles in row-block then
