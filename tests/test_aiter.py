@@ -261,11 +261,12 @@ def pretend_mi355(monkeypatch):
 def test_engine_on_emulated_aiter(make_deepseek, tmp_path, pretend_mi355):
     """A tiny DeepSeek-V3 MXFP4 checkpoint in bf16. aiter's MLA for decode (1 row) and verify with
     3 drafts (4 rows): greedy tokens identical to the torch backend's (oracle drafts: lossless).
-    Verify with 2 drafts (3 rows) never reaches aiter (the Triton fallback runs it). aiter's MoE:
-    shuffled once per layer when loading finishes and run for every step. Tokens through another
-    kernel are not compared: with MXFP4 activations one rounding difference flips an fp4 code, and
-    this random model's runs part within a few tokens (bf16 vs fp32: at the second);
-    test_mxfp4_moe_through_emulated_aiter_is_the_reference compares the MoE layer instead."""
+    Verify with 2 drafts (3 rows) never reaches aiter (the Triton fallback runs it). These runs
+    keep activations unquantized (W4A16): with MXFP4 activations one rounding difference flips an
+    fp4 code, and this random model's runs through any two attention implementations (torch and
+    Triton included) part within a few tokens. aiter's MoE (W4A4 only): shuffled once per layer
+    when loading finishes and run for every step; its tokens are not compared for the same reason,
+    test_mxfp4_moe_through_emulated_aiter_is_the_reference compares the layer instead."""
     from atom_like import LLMEngine, SamplingParams
     from atom_like.zoo.quark_mxfp4 import convert
     from spec_decode.testing import OracleProposer
@@ -276,14 +277,15 @@ def test_engine_on_emulated_aiter(make_deepseek, tmp_path, pretend_mi355):
     prompts = [[3, 17, 42, 9, 100], list(range(5, 24))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     kw = dict(dtype="bfloat16", max_model_len=64, enforce_eager=True)
-    reference = [o.token_ids for o in LLMEngine(dst, attention_backend="torch", moe_backend="torch", **kw)
+    w4a16 = dict(kw, moe_backend="torch", mxfp4_activations="unquantized")
+    reference = [o.token_ids for o in LLMEngine(dst, attention_backend="torch", **w4a16)
                  .generate(prompts, params, use_tqdm=False)]
     continuations = {str(i): toks for i, toks in enumerate(reference)}
     emu = pretend_mi355
     for k, rows in ((0, 1), (3, 4), (2, 3)):
         emu.mla_args.clear()
         factory = None if k == 0 else (lambda r, k=k: OracleProposer(continuations, k, r.vocab_size))
-        engine = LLMEngine(dst, attention_backend="aiter", moe_backend="torch", proposer_factory=factory, **kw)
+        engine = LLMEngine(dst, attention_backend="aiter", proposer_factory=factory, **w4a16)
         assert all(isinstance(b.backend, AiterMLABackend) for b in engine.runner.builders)
         # 2 drafts only check the routing: one short request
         ids = [engine.add_request(p, params if rows != 3 else SamplingParams(temperature=0, max_tokens=3),

@@ -214,8 +214,8 @@ class TritonMLABackend(MLABackend):
 class AiterMLABackend(MLABackend):
     """aiter's MLA decode kernels (kernels_rocm.aiter_ops) for absorbed steps whose every sequence
     has 1, 2 or 4 query rows (decode, and verify with up to 3 draft tokens); every other absorbed
-    step (3 rows, mixed batches), the KV writes and the expanded (prefill) form run `fallback`
-    (Triton). Never executed on AMD hardware (docs/rocm.md)."""
+    step (3 rows, mixed batches), the KV writes (rope fused or not) and the expanded (prefill) form
+    run `fallback` (Triton). Never executed on AMD hardware (docs/rocm.md)."""
 
     name = "aiter"
 
@@ -226,6 +226,9 @@ class AiterMLABackend(MLABackend):
 
     def write(self, cache, rows, slot_mapping, scales=None):
         self.fallback.write(cache, rows, slot_mapping, scales)
+
+    def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None):
+        return self.fallback.write_rotated(cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales)
 
     def attend_expanded(self, q_nope, q_pe, cache, meta, scale, expand, scales=None):
         return self.fallback.attend_expanded(q_nope, q_pe, cache, meta, scale, expand, scales)
