@@ -21,7 +21,8 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from atom_like.loader.quark import ACTIVATION_MODES
 from atom_like.models.config_aliases import register_config_aliases
-from model_ops.attention.backends import check_backend_choice
+from kernels_rocm.aiter_ops import detect_platform
+from model_ops.attention.backends import check_aiter_available, check_backend_choice
 from model_ops.quant.fp8 import fp8_kv_dtype
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "Reuse the KV of prompt prefixes earlier requests computed (--no-enable-prefix-caching: recompute every prompt)."})
     mxfp4_activations: str = field(default="checkpoint", metadata={"help": "MXFP4 (Quark) checkpoints: checkpoint = quantize GEMM inputs to MXFP4 as the checkpoint's input_tensors say (W4A4); unquantized = same weights, activations in the model dtype (W4A16)."})
     enforce_eager: bool = field(default=False, metadata={"help": "Never use CUDA/HIP graphs."})
-    attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton (auto: the torch reference on CPU, the fastest kernel on a GPU); aiter is refused until its adapter lands."})
+    attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton | aiter (auto: the torch reference on CPU; on a GPU aiter's MLA decode where it runs (ROCm gfx942/gfx950, aiter importable; never run on AMD hardware by this project, see docs/rocm.md), else Triton)."})
+    moe_backend: str = field(default="auto", metadata={"help": "Kernel of MXFP4 (Quark) routed experts: auto | torch | triton | aiter (auto: the torch reference on CPU; aiter's fused MoE where it runs and takes the layer, else Triton; see docs/rocm.md)."})
     seed: int = field(default=0, metadata={"help": "Seed for requests that bring none."})
     method: str | None = field(default=None, metadata={"help": "Speculative decoding method: eagle3 (needs --draft-model)."})
     draft_model: str | None = field(default=None, metadata={"help": "EAGLE3 draft checkpoint folder (LlamaForCausalLMEagle3 or Eagle3DeepseekV2ForCausalLM)."})
@@ -78,7 +80,14 @@ class EngineArgs:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"--num-kv-blocks must be >= 1; got {self.num_kv_blocks}")
-        check_backend_choice(self.attention_backend)
+        check_backend_choice(self.attention_backend, "--attention-backend")
+        check_backend_choice(self.moe_backend, "--moe-backend")
+        for flag, value in (("--attention-backend", self.attention_backend), ("--moe-backend", self.moe_backend)):
+            if value == "aiter":  # refuse here, before any weight is read, where aiter cannot run
+                check_aiter_available(flag, detect_platform(resolve_device(self.device)))
+                if self.dtype in ("float16", "float32"):
+                    raise ValueError(f"{flag} aiter runs bf16 models (its MLA and MXFP4 MoE kernels take bf16 "
+                                     f"activations); got --dtype {self.dtype}: use --dtype bfloat16 or auto")
         if self.method not in (None, "eagle3"):
             raise ValueError(f"--method {self.method!r} is not supported; the only method is eagle3")
         if self.method is None and self.draft_model is not None:

@@ -29,5 +29,5 @@ def test_triton_backend_matches_reference(make_llama, make_eagle3_llama, spec):
 def test_unknown_backend_is_named(make_llama):
     with pytest.raises(ValueError, match="--attention-backend must be one of auto, torch, triton, aiter"):
         LLMEngine(make_llama(), attention_backend="flash")
-    with pytest.raises(ValueError, match="--attention-backend aiter is not available: atom_like has no aiter adapter yet"):
+    with pytest.raises(ValueError, match="--attention-backend aiter is not available: the device is the CPU"):
         LLMEngine(make_llama(), attention_backend="aiter")

@@ -65,8 +65,9 @@ class ModelRunner:
             torch.cuda.empty_cache()
         # GPU memory other live objects of this process hold (another engine, a reference model)
         self.baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        quantize = checkpoint_quantizer(hf_config, args.mxfp4_activations, args.moe_backend)
         self.model: CausalLM = build_model(target_model_class(hf_config), text_config(hf_config), dtype, device,
-                                           quantize=checkpoint_quantizer(hf_config, args.mxfp4_activations))
+                                           quantize=quantize)
         weight_map = self.model.weight_map()
         load_weights(self.model, iter_checkpoint(args.model), weight_map)
         self.vocab_size = self.model.config.vocab_size

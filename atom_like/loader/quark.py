@@ -205,10 +205,11 @@ def _checkpoint_names(path: str, module: nn.Module, merged_shards: dict[str, lis
 
 
 def quantize_model(model: nn.Module, quark: QuarkConfig, weight_map: WeightMap,
-                   activations: ActivationsMode = "checkpoint") -> dict[str, MXFP4Scheme]:
+                   activations: ActivationsMode = "checkpoint", moe_backend: str = "auto") -> dict[str, MXFP4Scheme]:
     """Swap every Linear and routed-expert layer the config quantizes for its MXFP4 module (built
     before the weights are loaded; see model_ops.deferred). `activations="unquantized"` runs the
-    same weights with unquantized activations (W4A16). Returns {module path: scheme}."""
+    same weights with unquantized activations (W4A16); `moe_backend` is --moe-backend, the kernel
+    of the MXFP4 routed experts. Returns {module path: scheme}."""
     if activations not in ACTIVATION_MODES:
         raise ValueError(f"--mxfp4-activations must be one of {', '.join(ACTIVATION_MODES)}; got {activations!r}")
     merged_shards: dict[str, list[str]] = {}
@@ -232,7 +233,7 @@ def quantize_model(model: nn.Module, quark: QuarkConfig, weight_map: WeightMap,
         if activations == "unquantized":
             scheme = MXFP4Scheme(quantize_activations=False)
         try:
-            setattr(parent, leaf, _packed_module(module, scheme))
+            setattr(parent, leaf, _packed_module(module, scheme, moe_backend))
         except ValueError as e:
             raise ValueError(f"{_FIELD} quantizes {names[0]}, which cannot be MXFP4: {e}") from None
         plan[path] = scheme
@@ -243,12 +244,13 @@ def quantize_model(model: nn.Module, quark: QuarkConfig, weight_map: WeightMap,
     return plan
 
 
-def checkpoint_quantizer(config: PretrainedConfig, activations: ActivationsMode) -> Callable[[nn.Module], object] | None:
+def checkpoint_quantizer(config: PretrainedConfig, activations: ActivationsMode,
+                         moe_backend: str = "auto") -> Callable[[nn.Module], object] | None:
     """build_model's `quantize` for a checkpoint with this config: None unless it is Quark-quantized."""
     quark = QuarkConfig.from_model_config(config)
     if quark is None:
         return None
-    return lambda model: quantize_model(model, quark, model.weight_map(), activations)
+    return lambda model: quantize_model(model, quark, model.weight_map(), activations, moe_backend)
 
 
 def _activation_note(schemes: Iterable[MXFP4Scheme], activations: ActivationsMode) -> str:
@@ -259,12 +261,12 @@ def _activation_note(schemes: Iterable[MXFP4Scheme], activations: ActivationsMod
     return "unquantized (the checkpoint has no input_tensors quantization: W4A16)"
 
 
-def _packed_module(module: nn.Module, scheme: MXFP4Scheme) -> nn.Module:
+def _packed_module(module: nn.Module, scheme: MXFP4Scheme, moe_backend: str) -> nn.Module:
     """The packed counterpart of `module`, split across tensor-parallel ranks as it is."""
     qa = scheme.quantize_activations
     if isinstance(module, FusedExperts):
         hidden = module.w13.shape[-1]
-        return MXFP4Experts(module.num_experts, hidden, module.sharding.full, qa)
+        return MXFP4Experts(module.num_experts, hidden, module.sharding.full, qa, moe_backend)
     bias = module.bias is not None
     if isinstance(module, MergedLinear):
         return MXFP4MergedLinear(module.in_features, module.output_sizes, bias, qa, module.sharding)

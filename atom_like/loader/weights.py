@@ -11,7 +11,8 @@ transformers' fused 3-D expert tensors), which counts for all of its shards.
 
 Tensors are copied by value between float types, never between a float and an integer type:
 packed MXFP4 bytes (uint8) only ever land in packed parameters, which may check them further
-(`CheckedParameters`: no NaN scale byte).
+(`CheckedParameters`: no NaN scale byte). Once everything is loaded, modules implementing
+`ProcessedAfterLoading` rearrange their parameters for their kernels (aiter's MXFP4 layout).
 
 Under tensor parallelism a module implementing model_ops.tp.TPSharded says which part of each
 checkpoint tensor this rank holds, and only that part is read: tensors are memory-mapped
@@ -58,6 +59,15 @@ class CheckedParameters(Protocol):
     def check_tensor(self, param: str, tensor: torch.Tensor) -> None:
         """Raise ValueError saying what is wrong with `tensor` for parameter `param` (local name);
         the loader prefixes the checkpoint tensor's name."""
+
+
+@runtime_checkable
+class ProcessedAfterLoading(Protocol):
+    """A module whose kernels read its parameters in a layout of their own (aiter's shuffled MXFP4)."""
+
+    def process_weights_after_loading(self) -> None:
+        """Rearrange the loaded parameters for the module's kernels; called once, after the whole
+        checkpoint is loaded and checked."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +256,9 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointTensor
     missing = sorted(f"{n}" + (f" (shard {s})" if s is not None else "") for n, s in absent if n not in weight_map.optional)
     if missing:
         raise ValueError(f"{model_name} needs {len(missing)} tensor(s) the checkpoint lacks: {missing[:8]}")
+    for module in model.modules():
+        if isinstance(module, ProcessedAfterLoading):
+            module.process_weights_after_loading()
     return optional
 
 

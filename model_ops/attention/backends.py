@@ -2,8 +2,9 @@
 
 A backend is the pair (KV write, paged attention) for one cache layout. The torch reference runs
 everywhere and is the oracle; faster backends (Triton on any GPU) are listed here and chosen by
-`select_backend` alone, so model code never changes when a backend is added. An aiter adapter
-(ROCm) is not written yet: `aiter` stays a visible choice that is refused at start-up, with why.
+`select_backend` alone, so model code never changes when a backend is added. aiter (ROCm,
+gfx942/gfx950, kernels_rocm.aiter_ops) serves MLA decode / verify only and never ran on AMD
+hardware (docs/rocm.md); asking for it where it cannot run is refused at start-up, with why.
 
 MHA backends implement `MHABackend.attend`; MLA backends implement `MLABackend`, whose
 absorbed call has exactly the signature of the Triton kernel `kernels_rocm.mla_decode.
@@ -25,6 +26,17 @@ from typing import Literal
 
 import torch
 
+from kernels_rocm.aiter_ops import (
+    AiterOps,
+    MLADecodeMetadata,
+    Platform,
+    aiter_unavailable_reason,
+    detect_platform,
+    import_aiter,
+    mla_decode,
+    mla_decode_metadata,
+    mla_takes,
+)
 from model_ops.attention import torch_ref
 from model_ops.attention.metadata import AttentionMetadata
 from model_ops.rotary import RotaryEmbedding
@@ -35,19 +47,20 @@ AttentionKind = Literal["mha", "mla"]
 Role = Literal["target", "draft"]
 KVScales = tuple[torch.Tensor, ...] | None
 BACKEND_CHOICES = ("auto", "torch", "triton", "aiter")
-# choices users will find in ATOM's docs that this engine cannot run yet, and why
-UNAVAILABLE_BACKENDS = {
-    "aiter": "atom_like has no aiter adapter yet (it lands with the aiter integration issue, and nothing here "
-             "has run on AMD hardware); use auto, torch or triton (Triton kernels compile for ROCm too)",
-}
 
 
-def check_backend_choice(preference: str) -> None:
-    """The --attention-backend value is one this engine can run, else a ValueError saying why."""
+def check_backend_choice(preference: str, flag: str = "--attention-backend") -> None:
+    """`preference` is a backend name this engine knows, else a ValueError naming `flag`."""
     if preference not in BACKEND_CHOICES:
-        raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_CHOICES)}; got {preference!r}")
-    if preference in UNAVAILABLE_BACKENDS:
-        raise ValueError(f"--attention-backend {preference} is not available: {UNAVAILABLE_BACKENDS[preference]}")
+        raise ValueError(f"{flag} must be one of {', '.join(BACKEND_CHOICES)}; got {preference!r}")
+
+
+def check_aiter_available(flag: str, platform: Platform) -> None:
+    """An explicit request for aiter fails at start-up, saying why, where aiter cannot run."""
+    reason = aiter_unavailable_reason(platform)
+    if reason is not None:
+        raise ValueError(f"{flag} aiter is not available: {reason}; use auto, torch or triton "
+                         "(Triton kernels compile for ROCm too)")
 
 
 class AttentionBackend(ABC):
@@ -198,6 +211,45 @@ class TritonMLABackend(MLABackend):
                                    **_kernel_scales(scales, "kv_scale"))
 
 
+class AiterMLABackend(MLABackend):
+    """aiter's MLA decode kernels (kernels_rocm.aiter_ops) for absorbed steps whose every sequence
+    has 1, 2 or 4 query rows (decode, and verify with up to 3 draft tokens); every other absorbed
+    step (3 rows, mixed batches), the KV writes (rope fused or not) and the expanded (prefill) form
+    run `fallback` (Triton). Never executed on AMD hardware (docs/rocm.md)."""
+
+    name = "aiter"
+
+    def __init__(self, ops: AiterOps | None = None, fallback: MLABackend | None = None):
+        self.ops = ops if ops is not None else import_aiter()
+        self.fallback = fallback if fallback is not None else TritonMLABackend()
+        self._step: tuple[AttentionMetadata, MLADecodeMetadata] | None = None
+
+    def write(self, cache, rows, slot_mapping, scales=None):
+        self.fallback.write(cache, rows, slot_mapping, scales)
+
+    def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None):
+        return self.fallback.write_rotated(cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales)
+
+    def attend_expanded(self, q_nope, q_pe, cache, meta, scale, expand, scales=None):
+        return self.fallback.attend_expanded(q_nope, q_pe, cache, meta, scale, expand, scales)
+
+    def attend_absorbed(self, q_latent, q_pe, cache, meta, scale, scales=None):
+        if not mla_takes(q_latent.dtype, q_latent.shape[0], meta.num_seqs, meta.max_query_len):
+            return self.fallback.attend_absorbed(q_latent, q_pe, cache, meta, scale, scales)
+        return mla_decode(self.ops, q_latent, q_pe, cache, self._metadata(meta, cache), scale, _latent(scales))
+
+    def _metadata(self, meta: AttentionMetadata, cache: torch.Tensor) -> MLADecodeMetadata:
+        """aiter's form of the step, built once per step: every layer of a step (and of a captured
+        graph) is handed the same AttentionMetadata object, and each step a new one."""
+        if self._step is None or self._step[0] is not meta:
+            slots = cache.shape[0] * cache.shape[1]
+            if slots >= 2**31:
+                raise ValueError(f"the KV pool has {slots} token slots; aiter's kv_indices are int32 (< 2^31 slots)")
+            self._step = (meta, mla_decode_metadata(meta.query_start_loc, meta.context_lens, meta.block_tables,
+                                                    cache.shape[1], meta.max_query_len))
+        return self._step[1]
+
+
 _BACKENDS: dict[tuple[AttentionKind, str], type[AttentionBackend]] = {
     ("mha", "torch"): TorchMHABackend,
     ("mla", "torch"): TorchMLABackend,
@@ -207,21 +259,36 @@ if importlib.util.find_spec("triton") is not None:  # Linux wheels; without it o
     _BACKENDS[("mla", "triton")] = TritonMLABackend
 
 
+def choose_backend(kind: AttentionKind, role: Role, preference: str, platform: Platform) -> str:
+    """The backend name for a layer of `kind` serving `role` on `platform` (see select_backend)."""
+    check_backend_choice(preference)
+    registered = sorted(n for k, n in _BACKENDS if k == kind)
+    if preference == "aiter":
+        check_aiter_available("--attention-backend", platform)
+        if kind == "mla":
+            return "aiter"
+        if role == "draft":  # seed 004: a pure-MHA draft stays on Triton whatever the target uses
+            return "triton"
+        raise ValueError("--attention-backend aiter serves MLA layers only (aiter's paged MHA kernels are not "
+                         "wired here); this model's attention is MHA: use auto or triton")
+    if preference == "auto":
+        if platform.device_type == "cpu":
+            return "torch"
+        if kind == "mla" and aiter_unavailable_reason(platform) is None:
+            return "aiter"
+        return "triton" if "triton" in registered else "torch"
+    if preference not in registered:
+        raise ValueError(f"no {preference} attention backend for {kind} layers here (available: {', '.join(registered)})")
+    return preference
+
+
 def select_backend(kind: AttentionKind, device: torch.device, role: Role, preference: str = "auto") -> AttentionBackend:
     """The backend for a layer of `kind` serving `role` on `device`: `preference` if not "auto",
-    else the torch reference on CPU and the fastest registered backend on a GPU. When an aiter
-    adapter lands, pure-MHA draft layers must still not take aiter's paged attention: its
-    assembly kernels read block `id & 0xFFFF` once a draft pool passes 65,535 blocks
-    (ROCm/ATOM#702, ROCm/aiter#3062; ROCm/ATOM#631 routes those layers to Triton)."""
-    check_backend_choice(preference)
-    if preference == "auto":
-        order = ("torch",) if device.type == "cpu" else ("aiter", "triton", "torch")
-    else:
-        order = (preference,)
-    for name in order:
-        if name == "aiter" and kind == "mha" and role == "draft":
-            continue
-        if (kind, name) in _BACKENDS:
-            return _BACKENDS[(kind, name)]()
-    raise ValueError(f"no {preference} attention backend for {kind} layers here "
-                     f"(available: {', '.join(sorted(n for k, n in _BACKENDS if k == kind))})")
+    else the torch reference on CPU, and on a GPU aiter for MLA layers where aiter runs (ROCm
+    gfx942/gfx950 with aiter importable), Triton otherwise. Pure-MHA draft layers never take
+    aiter's paged attention: its assembly kernels read block `id & 0xFFFF` once a draft pool
+    passes 65,535 blocks (ROCm/ATOM#702, ROCm/aiter#3062; ROCm/ATOM#631 routes them to Triton)."""
+    name = choose_backend(kind, role, preference, detect_platform(device))
+    if name == "aiter":
+        return AiterMLABackend()
+    return _BACKENDS[(kind, name)]()

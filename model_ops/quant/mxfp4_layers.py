@@ -15,7 +15,10 @@ evaluated; off, the same weights run with unquantized activations (W4A16).
 
 On a GPU the Triton kernels of kernels_rocm run (the activation QDQ fused in, the weights
 dequantized in registers); on CPU, and wherever those kernels are absent, the reference below
-dequantizes in PyTorch. The reference is the kernels' oracle.
+dequantizes in PyTorch. The reference is the kernels' oracle. Routed experts may instead run
+aiter's fused MoE (ROCm gfx942/gfx950, `--moe-backend`; never executed on AMD hardware, see
+docs/rocm.md), which reads its own shuffled layout: the loaded tensors are rearranged once, in
+place, by `process_weights_after_loading`.
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels_rocm.aiter_ops import AiterMXFP4MoE, Platform, aiter_moe_problem, aiter_unavailable_reason, detect_platform
 from model_ops.activation import silu_and_mul
+from model_ops.attention.backends import check_aiter_available, check_backend_choice
 from model_ops.linear import LinearSharding, sharded_output
 from model_ops.moe import ExpertsSharding
 from model_ops.quant.mxfp4 import BLOCK, E8M0_NAN, dequantize_mxfp4, qdq_mxfp4
@@ -71,9 +76,31 @@ def select_mxfp4_linear_impl(device: torch.device) -> MXFP4LinearFn:
     return mxfp4_linear_reference
 
 
-def select_mxfp4_experts_impl(device: torch.device) -> MXFP4ExpertsFn:
-    """kernels_rocm.mxfp4_moe's fused MoE on a GPU where that module exists, else the reference."""
-    if device.type != "cpu" and importlib.util.find_spec("kernels_rocm.mxfp4_moe") is not None:
+def choose_mxfp4_experts_backend(preference: str, platform: Platform, hidden_size: int, intermediate_size: int,
+                                 quantize_activations: bool) -> str:
+    """The one switch for MXFP4 routed experts (--moe-backend): "torch" (the reference), "triton"
+    (kernels_rocm.mxfp4_moe) or "aiter". auto: the reference on CPU; on a GPU aiter where it runs
+    (ROCm gfx942/gfx950, aiter importable) and takes these experts (aiter_moe_problem), else Triton."""
+    check_backend_choice(preference, "--moe-backend")
+    if preference == "aiter":
+        check_aiter_available("--moe-backend", platform)
+        problem = aiter_moe_problem(hidden_size, intermediate_size, quantize_activations)
+        if problem is not None:
+            raise ValueError(f"--moe-backend aiter cannot run these MXFP4 experts: {problem}; use auto or triton")
+        return "aiter"
+    if preference == "auto":
+        if platform.device_type == "cpu":
+            return "torch"
+        aiter_runs = aiter_unavailable_reason(platform) is None
+        if aiter_runs and aiter_moe_problem(hidden_size, intermediate_size, quantize_activations) is None:
+            return "aiter"
+        return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    return preference
+
+
+def mxfp4_experts_impl(backend: str) -> MXFP4ExpertsFn:
+    """The function behind "torch" or "triton" (aiter is a stateful adapter: AiterMXFP4MoE)."""
+    if backend == "triton":
         from kernels_rocm.mxfp4_moe import fused_moe_mxfp4
 
         return fused_moe_mxfp4
@@ -174,9 +201,11 @@ class MXFP4MergedLinear(MXFP4Linear):
 
 class MXFP4Experts(nn.Module):
     """FusedExperts' packed counterpart, with the same call: (x, topk_weights, topk_ids) -> [T, H].
-    Like FusedExperts it takes the full `intermediate_size` and holds this rank's part of it."""
+    Like FusedExperts it takes the full `intermediate_size` and holds this rank's part of it.
+    `backend`: --moe-backend (choose_mxfp4_experts_backend, on this rank's part)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quantize_activations: bool = True):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, quantize_activations: bool = True,
+                 backend: str = "auto"):
         super().__init__()
         _check_block_multiple("hidden size (the gate/up input)", hidden_size)
         _check_block_multiple("moe_intermediate_size (the down_proj input)", intermediate_size)
@@ -188,15 +217,27 @@ class MXFP4Experts(nn.Module):
         self.w13_scale = _packed_param(num_experts, 2 * local, hidden_size // BLOCK)
         self.w2 = _packed_param(num_experts, hidden_size, local // 2)
         self.w2_scale = _packed_param(num_experts, hidden_size, local // BLOCK)
-        self.impl = select_mxfp4_experts_impl(torch.get_default_device())
+        device = torch.get_default_device()
+        self.backend = choose_mxfp4_experts_backend(backend, detect_platform(device), hidden_size, local,
+                                                    quantize_activations)
+        # aiter runs on its own layout of these tensors, made once after loading (process_weights_after_loading)
+        self.aiter = AiterMXFP4MoE() if self.backend == "aiter" else None
+        self.impl = mxfp4_experts_impl(self.backend)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.aiter is not None:
+            return self.aiter(x, topk_weights, topk_ids)
         return self.impl(x, self.w13, self.w13_scale, self.w2, self.w2_scale, topk_weights, topk_ids,
                          quantize_activations=self.quantize_activations)
 
     # TPSharded (model_ops.tp): w13 splits along its outputs, w2 along its input (between blocks)
     def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice:
         return self.sharding.tp_slice(param, shard, *(_input_grain(param) if param.startswith("w2") else (1, 1)))
+
+    # ProcessedAfterLoading (atom_like.loader.weights)
+    def process_weights_after_loading(self) -> None:
+        if self.aiter is not None:
+            self.aiter.shuffle_in_place(self.w13.data, self.w13_scale.data, self.w2.data, self.w2_scale.data)
 
     # ShardedParameters (atom_like.loader.weights): one shard per expert and projection, "3.up_proj".
     def weight_shards(self, param: str) -> list[str]:
@@ -216,4 +257,4 @@ class MXFP4Experts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, intermediate_size={self.intermediate_size}, "
-                f"quantize_activations={self.quantize_activations}")
+                f"quantize_activations={self.quantize_activations}, backend={self.backend}")

@@ -65,8 +65,7 @@ def test_mxfp4_kernels_match_the_reference_in_the_engine(model, monkeypatch):
                                                    **kw), prompts) for dtype in ("float32", "bfloat16")}
         with monkeypatch.context() as mp:
             mp.setattr(mxfp4_layers, "select_mxfp4_linear_impl", lambda device: mxfp4_layers.mxfp4_linear_reference)
-            mp.setattr(mxfp4_layers, "select_mxfp4_experts_impl", lambda device: mxfp4_layers.fused_moe_mxfp4_reference)
-            reference = {dtype: prefill_logits(LLMEngine(model, enforce_eager=True, dtype=dtype,
+            reference = {dtype: prefill_logits(LLMEngine(model, enforce_eager=True, dtype=dtype, moe_backend="torch",
                                                          mxfp4_activations=activations, **kw), prompts)
                          for dtype in ("float32", "bfloat16")}
         fp32_err, fp32_agree = relative_error(kernels["float32"], reference["float32"])
