@@ -144,10 +144,16 @@ def _allreduce_rank(rank: int, store: str, plans: dict, queue) -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        results[key] = dict(eager_ms=eager, graph_ms=timed(graph.replay), collectives=len(plan))
+        row = dict(eager_ms=eager, graph_ms=timed(graph.replay), collectives=len(plan))
+        if rank == 0:  # each result as soon as it exists: a later hang loses only what follows
+            queue.put((key, row))
     if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+        queue.put(None)
+        queue.close()
+        queue.join_thread()  # written to the pipe before anything below can block
+    # no destroy_process_group: tearing down NCCL communicators that graphs captured is where a rank
+    # can hang, and the parent waits for nothing after the results; the process just ends
+    os._exit(0)
 
 
 def bench_allreduce(results: Results, names: list[str], batches: list[int]) -> None:
@@ -160,22 +166,29 @@ def bench_allreduce(results: Results, names: list[str], batches: list[int]) -> N
                  for r in range(TP)]
         for p in procs:
             p.start()
-        measured, deadline = None, time.monotonic() + 180
-        while measured is None:
+        deadline, error = time.monotonic() + 180, None
+        while True:
             try:
-                measured = queue.get(timeout=5)
+                item = queue.get(timeout=5)
             except Empty:
                 failed = any(p.exitcode not in (None, 0) for p in procs)
                 if failed or time.monotonic() > deadline:  # a hung collective must not eat the device call
-                    for p in procs:
-                        p.kill()
-                    why = "failed" if failed else "gave no result within 180 s (hung?)"
-                    raise RuntimeError(f"an all-reduce rank {why}: exit codes {[p.exitcode for p in procs]}") from None
+                    why = "failed" if failed else "gave no further result within 180 s (hung?)"
+                    error = RuntimeError(f"an all-reduce rank {why}: exit codes {[p.exitcode for p in procs]}")
+                    break
+                continue
+            if item is None:
+                break
+            key, row = item
+            name, batch = key.split("/")
+            results.add("allreduce", dict(model=name, batch=int(batch), **row))
         for p in procs:
-            p.join()
-    for key, row in measured.items():
-        name, batch = key.split("/")
-        results.add("allreduce", dict(model=name, batch=int(batch), **row))
+            p.join(30)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+    if error is not None:
+        raise error
 
 
 # ----------------------------------------------------------------------------- decode speed
