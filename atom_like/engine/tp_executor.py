@@ -121,7 +121,8 @@ def check_tensor_parallel(args: EngineArgs, hf_config: PretrainedConfig, dtype: 
 
 
 def _models(args: EngineArgs, hf_config: PretrainedConfig):
-    """(what, path, config, class, quantize) of each model a rank builds, as ModelRunner builds them."""
+    """(what, path, config, class, quantize) of each model a rank builds, as ModelRunner builds them
+    (the MoE backend left to auto: the meta device is no platform; the ranks check --moe-backend)."""
     yield ("model", args.model, text_config(hf_config), target_model_class(hf_config),
            checkpoint_quantizer(hf_config, args.mxfp4_activations))
     if args.method == "eagle3":
