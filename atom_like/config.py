@@ -49,6 +49,7 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "Reuse the KV of prompt prefixes earlier requests computed (--no-enable-prefix-caching: recompute every prompt)."})
     mxfp4_activations: str = field(default="checkpoint", metadata={"help": "MXFP4 (Quark) checkpoints: checkpoint = quantize GEMM inputs to MXFP4 as the checkpoint's input_tensors say (W4A4); unquantized = same weights, activations in the model dtype (W4A16)."})
     enforce_eager: bool = field(default=False, metadata={"help": "Never use CUDA/HIP graphs."})
+    overlap_scheduling: bool = field(default=True, metadata={"help": "Schedule and prepare step N+1 while the GPU runs step N (vLLM's async scheduling, SGLang's overlap scheduler); --no-overlap-scheduling: one step at a time. Same tokens either way."})
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton | aiter (auto: the torch reference on CPU; on a GPU aiter's MLA decode where it runs (ROCm gfx942/gfx950, aiter importable; never run on AMD hardware by this project, see docs/rocm.md), else Triton)."})
     moe_backend: str = field(default="auto", metadata={"help": "Kernel of MXFP4 (Quark) routed experts: auto | torch | triton | aiter (auto: the torch reference on CPU; aiter's fused MoE where it runs and takes the layer, else Triton; see docs/rocm.md)."})
     seed: int = field(default=0, metadata={"help": "Seed for requests that bring none."})

@@ -166,12 +166,16 @@ def bench_engine(engine, clock: Clock, batches: list[int], prompt_len: int, max_
     rows = []
     for batch in batches:
         batch_prompts = prompts(batch, prompt_len, engine.runner.vocab_size)
-        for _ in range(2):  # the first round warms up; the second is the one kept
-            start_batch(engine, batch_prompts, max_tokens)
-            seconds = clock.time(lambda: drain(engine))
-        step_ms = 1e3 * seconds / (max_tokens - 1)
+        sync_ms = None
+        for overlap in (False, True):  # side by side: one step at a time, then overlapped scheduling
+            engine.args.overlap_scheduling = overlap
+            for _ in range(2):  # the first round warms up; the second is the one kept
+                start_batch(engine, batch_prompts, max_tokens)
+                seconds = clock.time(lambda: drain(engine))
+            step_ms = 1e3 * seconds / (max_tokens - 1)
+            sync_ms = sync_ms or step_ms
         roofline_ms = 1e3 * decode_step_bytes(engine, batch, prompt_len + max_tokens // 2, 0) / (copy_gbps * 1e9)
-        rows.append(dict(batch=batch, step_ms=step_ms, tokens_per_s=batch * (max_tokens - 1) / seconds,
+        rows.append(dict(batch=batch, step_ms=step_ms, sync_step_ms=sync_ms, tokens_per_s=batch * (max_tokens - 1) / seconds,
                          roofline_ms=roofline_ms, fraction_of_roofline=roofline_ms / step_ms))
     return rows
 
@@ -324,13 +328,13 @@ def markdown(results: dict) -> str:
         lines += [f"Copy bandwidth: **{results['copy']['gbps']:.0f} GB/s** (read + written).", ""]
     if "engine" in results or "transformers" in results:
         hf = {r["batch"]: r for r in results.get("transformers", [])}
-        lines += ["| batch | atom_like step ms | roofline ms | % of roofline | atom_like tok/s | transformers tok/s | "
-                  "vs transformers |", "|---|---|---|---|---|---|---|"]
+        lines += ["| batch | step ms, one at a time | atom_like step ms (overlapped) | roofline ms | % of roofline | "
+                  "atom_like tok/s | transformers tok/s | vs transformers |", "|---|---|---|---|---|---|---|---|"]
         for batch in sorted({r["batch"] for r in results.get("engine", [])} | set(hf)):
             e = next((r for r in results.get("engine", []) if r["batch"] == batch), None)
             h = hf.get(batch)
-            cells = ([f"{e['step_ms']:.2f}", f"{e['roofline_ms']:.2f}", f"{e['fraction_of_roofline']:.0%}",
-                      f"{e['tokens_per_s']:.1f}"] if e else ["-"] * 4)
+            cells = ([f"{e['sync_step_ms']:.2f}", f"{e['step_ms']:.2f}", f"{e['roofline_ms']:.2f}",
+                      f"{e['fraction_of_roofline']:.0%}", f"{e['tokens_per_s']:.1f}"] if e else ["-"] * 5)
             cells += [f"{h['tokens_per_s']:.1f}" if h else "-",
                       f"{e['tokens_per_s'] / h['tokens_per_s']:.2f}x" if e and h else "-"]
             lines.append(f"| {batch} | " + " | ".join(cells) + " |")

@@ -103,7 +103,7 @@ def run(model: str, batch_sizes: list[int], k: int, max_tokens: int, prompt_len:
 
     def factory(runner):
         args = dataclasses.replace(runner.args, method="eagle3", draft_model=draft, num_speculative_tokens=k)
-        forced.append(ForcedAcceptance(build_eagle3_proposer(args, runner.model, runner.dtype, runner.device), 0))
+        forced.append(ForcedAcceptance(build_eagle3_proposer(args, runner.model, runner.dtype, runner.device, runner.kv_cache_dtype), 0))
         forced[0].capturable = capture_draft  # False: the target step is a graph, the draft loop runs eagerly
         return forced[0]
 

@@ -52,7 +52,7 @@ for part in "${parts[@]}"; do
     kernels) run bench_kernels python3 ci/bench_kernels.py --out "$OUT" ;;
     mxfp4) run bench_mxfp4 python3 ci/bench_mxfp4.py --out "$OUT" --profile ;;
     models) run bench_models python3 ci/bench_models.py ;;
-    spec) run bench_spec python3 ci/bench_spec.py ;;
+    spec) run bench_spec python3 ci/bench_spec.py ${BENCH_SPEC_ARGS:-} ;;
     tp) run bench_tp python3 ci/bench_tp.py ${BENCH_TP_ARGS:-} ;;
     gsm8k) run gsm8k env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k" \
              ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;

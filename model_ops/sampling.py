@@ -1,4 +1,5 @@
-"""Token sampling math shared by the sampler and speculative verification.
+"""Sampling and speculative verification on the device: the math behind atom_like's Sampler
+(engine/sampler.py, which builds these tensors from a step's requests).
 
 Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is an exact draw
 from p, needs no cumsum/searchsorted, and lets each request draw its noise from its own seeded
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from model_ops.logits_processors import LogitsProcessors
 
 
 @dataclass
@@ -41,12 +45,6 @@ class SamplingTensors:
     @property
     def greedy(self) -> torch.Tensor:
         return self.temperature == 0
-
-    def rows(self, index: torch.Tensor) -> "SamplingTensors":
-        idx = index.tolist()
-        temperature = self.temperature[index]
-        return SamplingTensors(temperature, self.top_k[index], self.top_p[index], [self.generators[i] for i in idx],
-                               self.all_greedy or bool((temperature == 0).all()))
 
 
 def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -97,3 +95,109 @@ def sample_from(probs: torch.Tensor, generators: list[torch.Generator | None], s
     """One exact draw per row of `probs` (rows need not be normalised)."""
     noise = exponential_noise(tuple(probs.shape), generators, shared, probs.device)
     return (probs / noise).argmax(dim=-1)
+
+
+# ----------------------------------------------------------------------------- verification
+
+@dataclass
+class Verified:
+    """One step's tokens, on the logits' device. Row s holds sequence s's accepted drafts, then
+    the token it emits, then -1 padding; `num_accepted[s]` counts the accepted drafts."""
+    token_ids: torch.Tensor  # [S, K + 1] int64
+    num_accepted: torch.Tensor  # [S] int64
+
+    def lists(self) -> tuple[list[int], list[list[int]]]:
+        """(accepted counts, emitted tokens) on the host: a device read, for callers that want it now."""
+        accepted, rows = self.num_accepted.tolist(), self.token_ids.tolist()
+        return accepted, [row[:a + 1] for a, row in zip(accepted, rows)]
+
+
+def verify(logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor, st: SamplingTensors,
+           shared: torch.Generator, processors: LogitsProcessors | None = None,
+           draft_probs: torch.Tensor | None = None, forced_acceptance: int | None = None) -> Verified:
+    """Sample every sequence's next token, verifying its draft tokens first (docs/eagle3_semantics.md,
+    "Verification"), entirely on the device: no host read, so the host can prepare the next step
+    while this one runs.
+
+    Sequence s owns num_drafts[s] + 1 consecutive rows of `logits` [R, V], in order: row j scores
+    the token after its first j drafts (without drafts this is plain sampling). `draft_ids` [D]
+    holds every sequence's drafts, flattened in the same order; `st` has one entry per row (a
+    sequence's settings and generator repeated over its rows); `processors`, when given, are
+    built for these rows, each with its own token history; `draft_probs` [D, V], when given, is
+    the draft's distribution q (None: q is one-hot, as our greedy drafters propose).
+
+    Greedy rows accept a draft while it equals the (processed) argmax, then emit the argmax.
+    Sampling rows use rejection sampling as vLLM does: accept draft x with probability
+    min(1, p(x) / q(x)); on the first rejection emit from normalise(max(p - q, 0)); when all
+    pass, emit a bonus token from the last row's p. p is the request's processed distribution
+    (processors, temperature, top-k, top-p), so the emitted tokens are distributed exactly as
+    plain sampling from the target would be; a greedy row's p is the one-hot of its argmax,
+    which makes the same arithmetic exact there too. `forced_acceptance` m (benchmarks only,
+    like ATOM's --spec-decode-acceptance-length) accepts the first m drafts whatever they are
+    and emits the argmax after them: a speed curve at exact acceptance lengths, not lossless.
+    """
+    num_seqs, width = len(num_drafts), max(num_drafts, default=0)
+    if sum(num_drafts) + num_seqs != logits.shape[0] or draft_ids.numel() != sum(num_drafts):
+        raise ValueError(f"logits has {logits.shape[0]} rows and draft_ids {draft_ids.numel()} tokens for "
+                         f"{num_seqs} sequences with {sum(num_drafts)} drafts")
+    device = logits.device
+    # host-built layout: row_index[s, j] = the row scoring the token after s's first j drafts
+    # (clamped to its last row), draft_index[s, j] = where s's draft j sits in draft_ids
+    n = np.array(num_drafts, dtype=np.int64)
+    row_start = np.concatenate([[0], np.cumsum(n + 1)[:-1]]) if num_seqs else n
+    draft_start = row_start - np.arange(num_seqs)
+    j = np.arange(width + 1)[None, :]
+    row_index = _to(row_start[:, None] + np.minimum(j, n[:, None]), device)
+    valid = _to(j[:, :width] < n[:, None], device)
+    # (entries past a sequence's drafts are masked by `valid`; clamped into range for the gather)
+    draft_index = _to(np.minimum(draft_start[:, None] + j[:, :width], max(int(n.sum()) - 1, 0)), device)
+    drafts = draft_ids[draft_index] if width else draft_ids.new_zeros(num_seqs, 0)
+
+    if forced_acceptance is not None:
+        emitted = logits.argmax(dim=-1)
+        accept = valid & (torch.arange(width, device=device) < forced_acceptance)[None, :]
+    else:
+        if processors is not None:
+            logits = processors(logits)
+        if st.all_greedy and draft_probs is None:  # a host fact: no device read-back
+            emitted = logits.argmax(dim=-1)
+            accept = valid & (drafts == emitted[row_index[:, :width]])
+        else:
+            emitted, accepted_flat = _rejection_sample(logits, num_drafts, row_start, draft_ids, st, shared,
+                                                       draft_probs)
+            accept = torch.zeros(num_seqs, width, dtype=torch.bool, device=device)
+            accept[valid] = accepted_flat  # row-major order of `valid` is draft_ids' order
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
+    last = emitted[row_index].gather(1, num_accepted[:, None])
+    cols = torch.arange(width + 1, device=device)[None, :]
+    padded = torch.cat([drafts, drafts.new_full((num_seqs, 1), -1)], dim=1)
+    tokens = torch.where(cols < num_accepted[:, None], padded, torch.where(cols == num_accepted[:, None], last, -1))
+    return Verified(tokens, num_accepted)
+
+
+def _rejection_sample(logits: torch.Tensor, num_drafts: list[int], row_start: np.ndarray, draft_ids: torch.Tensor,
+                      st: SamplingTensors, shared: torch.Generator,
+                      draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the token each row would emit [R], whether each draft is accepted [D])."""
+    device = logits.device
+    p = processed_probs(logits, st)
+    rows = [int(start) + j for start, n in zip(row_start, num_drafts) for j in range(n)]
+    draft_rows = _to(np.array(rows, dtype=np.int64), device)
+    q = (torch.zeros_like(p[draft_rows]).scatter_(1, draft_ids[:, None], 1.0) if draft_probs is None
+         else draft_probs.float())
+    p_draft = p[draft_rows].gather(1, draft_ids[:, None]).squeeze(1)
+    q_draft = q.gather(1, draft_ids[:, None]).squeeze(1)
+    row_gens = [st.generators[r] for r in rows]
+    accept = uniform_noise(len(rows), row_gens, shared, device) < (p_draft / q_draft).clamp(max=1.0)
+    # a rejected draft's row emits from max(p - q, 0); a sequence's last row emits its bonus from p
+    residual = p.clone()
+    residual[draft_rows] = (p[draft_rows] - q).clamp_min(0.0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0  # only when p == q exactly: then p itself
+    residual = torch.where(empty, p, residual)
+    return sample_from(residual, st.generators, shared), accept
+
+
+def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`, copied without waiting for the device (the copy is ordered
+    before the kernels that read it)."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)

@@ -37,7 +37,7 @@ class ProposeInputs:
     next_token_ids: torch.Tensor  # [B] the token that follows that row
     sampling: torch.Tensor  # [S] indices of the sequences that get proposals
     request_ids: list[str]  # [S]
-    num_generated: list[int]  # [S] generated tokens after this step
+    num_generated: torch.Tensor  # [S] generated tokens after this step
 
 
 class Proposer(ABC):

@@ -36,14 +36,14 @@ class OracleProposer(Proposer):
 
     def finalize(self, drafts: torch.Tensor, inputs: ProposeInputs) -> torch.Tensor:
         rows = []
-        for request_id, done in zip(inputs.request_ids, inputs.num_generated):
+        for request_id, done in zip(inputs.request_ids, inputs.num_generated.tolist()):  # a device read: tests only
             cont = self.continuations[request_id]
             row = []
             for j in range(self.num_spec_tokens):
                 token = cont[done + j] if done + j < len(cont) else 0
                 row.append((token + 1) % self.vocab_size if self.corrupt(request_id, done, j) else token)
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), self.num_spec_tokens)
+        return torch.tensor(rows, dtype=torch.long, device=drafts.device).reshape(len(rows), self.num_spec_tokens)
 
 
 class ForcedAcceptance(Proposer):

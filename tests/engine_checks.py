@@ -92,7 +92,7 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
     checks = _installed[engine] = Checks(sentinel)
     ref = weakref.ref(engine)
     schedule, update = type(engine.scheduler).schedule, type(engine.scheduler).update
-    execute, abort = type(engine.runner).execute, type(engine).abort_request
+    launch, abort = type(engine.runner).launch, type(engine).abort_request
 
     def checked_schedule():
         engine = ref()
@@ -109,10 +109,18 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
             seq = item.seq
             assert seq.status is SequenceStatus.RUNNING, f"scheduled {seq}"
             assert item.num_new_tokens >= 1
-            end = seq.num_computed_tokens + item.num_new_tokens
-            assert end <= seq.num_tokens, f"{seq}: schedules tokens it does not have"
-            assert item.samples == (end == seq.num_tokens), (
-                f"{seq}: samples={item.samples} but the step ends at token {end} of {seq.num_tokens}")
+            assert len(seq.in_flight) <= 2, f"{seq}: {len(seq.in_flight)} steps in flight (overlap allows 2)"
+            end = item.start + item.num_new_tokens
+            if item.shift_bound is None:
+                assert item.start == seq.num_computed_tokens + sum(n for n, _ in list(seq.in_flight)[:-1]), (
+                    f"{seq}: starts at {item.start}, not after its computed and in-flight tokens")
+                assert end <= seq.num_tokens, f"{seq}: schedules tokens it does not have"
+                assert item.samples == (end == seq.num_tokens), (
+                    f"{seq}: samples={item.samples} but the step ends at token {end} of {seq.num_tokens}")
+            else:  # follows a sampling step in flight: one unseen token, at most shift_bound drafts later
+                assert item.samples and item.num_new_tokens == 1 and len(seq.in_flight) == 2
+                assert item.start == seq.num_tokens and item.shift_bound == seq.in_flight[0][1]
+                end += item.shift_bound
             assert not item.spec_token_ids or item.samples, f"{seq}: drafts verified in a prompt chunk"
             writes_to = end + len(item.spec_token_ids)
             assert len(seq.block_table) * bm.block_size >= writes_to, (
@@ -126,20 +134,21 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
         checks.max_batch_tokens = max(checks.max_batch_tokens, num_tokens)
         return batch
 
-    def checked_update(batch, results):
+    def checked_update(batch, results, stop_string=None):
         engine = ref()
-        touched = update(engine.scheduler, batch, results)
+        touched = update(engine.scheduler, batch, results, stop_string)
         for item in batch.seqs:
             if item.seq.finished:
                 assert not item.seq.block_table, f"{item.seq} finished holding blocks"
         assert_pool_consistent(engine, full=False)
         return touched
 
-    def checked_execute(batch):
+    def checked_launch(batch):
+        """On CPU a launch runs the whole step before it returns, so its writes are checked here."""
         engine = ref()
         runner, bm = engine.runner, engine.block_manager
         if not checks.sentinel:
-            return execute(runner, batch)
+            return launch(runner, batch)
         free = torch.tensor(list(bm.free_blocks), dtype=torch.long)
         cached = torch.tensor(list(bm.evictable), dtype=torch.long)  # hold prefix-cache KV: kept, compared
         pools = [(p, _block_dim(p, bm.num_blocks)) for p in runner.kv_caches.values()]
@@ -147,14 +156,13 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
         for pool, dim in pools:
             pool.index_fill_(dim, free.to(pool.device), float("nan"))
             kept.append(pool.index_select(dim, cached.to(pool.device)))
-        results = execute(runner, batch)
+        launch(runner, batch)
         for name, (pool, dim), before in zip(runner.kv_caches, pools, kept):
             untouched = pool.index_select(dim, free.to(pool.device)).isnan().movedim(dim, 0).flatten(1).all(1)
             written = free[~untouched.cpu()].tolist()
             same = pool.index_select(dim, cached.to(pool.device)).view(torch.uint8) == before.view(torch.uint8)
             written += cached[~same.movedim(dim, 0).flatten(1).all(1).cpu()].tolist()
             assert not written, f"the step wrote {name} blocks {written[:8]} that no running sequence owns"
-        return results
 
     def checked_abort(request_id):
         engine = ref()
@@ -162,7 +170,7 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
         assert_pool_consistent(engine)
 
     engine.scheduler.schedule, engine.scheduler.update = checked_schedule, checked_update
-    engine.runner.execute, engine.abort_request = checked_execute, checked_abort
+    engine.runner.launch, engine.abort_request = checked_launch, checked_abort
     return checks
 
 

@@ -16,17 +16,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 def count_replays(monkeypatch) -> dict:
     calls = {"target": 0, "draft": 0}
-    run_target, run_draft = DecodeGraphs.run_target, DecodeGraphs.run_draft
+    replay_target, run_draft = DecodeGraphs.replay_target, DecodeGraphs.run_draft
 
-    def target(self, host):
+    def target(self, num_seqs):
         calls["target"] += 1
-        return run_target(self, host)
+        return replay_target(self, num_seqs)
 
     def draft(self, *args):
         calls["draft"] += 1
         return run_draft(self, *args)
 
-    monkeypatch.setattr(DecodeGraphs, "run_target", target)
+    monkeypatch.setattr(DecodeGraphs, "replay_target", target)
     monkeypatch.setattr(DecodeGraphs, "run_draft", draft)
     return calls
 

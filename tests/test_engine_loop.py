@@ -102,18 +102,18 @@ def test_abort_frees_blocks(engine):
 
 
 def test_an_engine_fault_fails_its_requests_and_the_loop_keeps_serving(engine, monkeypatch):
-    real_execute = engine.runner.execute
+    real_launch = engine.runner.launch
     faults = iter([True])
 
-    def execute_failing_once(batch):
+    def launch_failing_once(batch):
         # Raised after scheduling, as a device fault would be: blocks are taken, nothing updated.
         if next(faults, False):
             raise RuntimeError("simulated device fault")
-        return real_execute(batch)
+        return real_launch(batch)
 
     async def main():
         loop = await started(engine)
-        monkeypatch.setattr(engine.runner, "execute", execute_failing_once)
+        monkeypatch.setattr(engine.runner, "launch", launch_failing_once)
         broken = await run_to_end(loop, [request("x", [1, 2, 3]), request("y", [4, 5, 6])])
         healthy = await run_to_end(loop, [request("z", [7, 8])])
         assert loop.ready  # still healthy: the fault was the request's, not the server's

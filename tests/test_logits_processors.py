@@ -56,9 +56,7 @@ def reference(logits: torch.Tensor, seq: Sequence, history: list[int], num_gener
 
 def decode_steps(seqs: list[Sequence], drafts: list[list[int]]) -> list[SeqStep]:
     """What the runner gets of each sequence in a decode step verifying `drafts` (StepBatch)."""
-    for seq in seqs:
-        seq.num_computed_tokens = seq.num_tokens - 1
-    return [SeqStep.of(seq, 1, d, samples=True) for seq, d in zip(seqs, drafts)]
+    return [SeqStep.of(seq, seq.num_tokens - 1, 1, d, samples=True, shift_bound=None) for seq, d in zip(seqs, drafts)]
 
 
 def test_batched_processors_equal_the_row_by_row_reference():

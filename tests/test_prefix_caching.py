@@ -6,7 +6,7 @@ and stops; the flag; the metrics."""
 from __future__ import annotations
 
 import argparse
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 
 import numpy as np
 import pytest
@@ -153,17 +153,23 @@ def record_steps(engine: LLMEngine) -> tuple[dict[str, list], dict[str, list]]:
     and the KV its prompt positions hold after the step."""
     steps: dict[str, list] = defaultdict(list)
     kv: dict[str, list] = defaultdict(list)
-    execute = engine.runner.execute
+    launch, collect, launched = engine.runner.launch, engine.runner.collect, deque()
 
-    def recorded(batch):
-        results = execute(batch)
-        for item, result in zip(batch.seqs, results):
+    def recorded_launch(batch):
+        launch(batch)  # on CPU the step is done when launch returns: its KV is read now
+        launched.append(batch)
+        for item in batch.seqs:
+            if item.samples:
+                kv[item.request_id].append(prompt_kv(engine, item))
+
+    def recorded_collect():
+        results = collect()
+        for item, result in zip(launched.popleft().seqs, results):
             if item.samples:
                 steps[item.request_id].append((result.num_accepted, result.new_token_ids, result.draft_token_ids))
-                kv[item.request_id].append(prompt_kv(engine, item))
         return results
 
-    engine.runner.execute = recorded
+    engine.runner.launch, engine.runner.collect = recorded_launch, recorded_collect
     return steps, kv
 
 

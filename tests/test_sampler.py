@@ -8,8 +8,7 @@ import torch
 from chi_square import P_FLOOR, chi_square_pvalue
 
 from atom_like import LLMEngine, SamplingParams
-from model_ops.sampling import SamplingTensors, processed_probs
-from spec_decode.rejection import verify
+from model_ops.sampling import SamplingTensors, processed_probs, verify
 
 PROMPTS = [[3, 17, 42, 9], [100, 2, 5]]
 
@@ -45,8 +44,9 @@ def test_empirical_distribution_matches_softmax(temperature, top_k, top_p):
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(7)) * 2
     st = SamplingTensors.build([temperature] * n, [top_k] * n, [top_p] * n, [None] * n, vocab, torch.device("cpu"))
     # verification without draft tokens is plain sampling (the engine's one sampling path)
-    tokens = verify(logits.expand(n, vocab), [[]] * n, st, torch.Generator().manual_seed(SAMPLING_SEED)).token_ids
-    counts = np.bincount([t[0] for t in tokens], minlength=vocab)
+    verified = verify(logits.expand(n, vocab), [0] * n, torch.zeros(0, dtype=torch.long), st,
+                      torch.Generator().manual_seed(SAMPLING_SEED))
+    counts = np.bincount(verified.token_ids[:, 0].numpy(), minlength=vocab)
 
     # the expected distribution, written out directly: top-k first, then top-p over the
     # renormalised top-k set (the order transformers' warpers and vLLM use)
@@ -65,7 +65,8 @@ def test_empirical_distribution_matches_softmax(temperature, top_k, top_p):
     expected = torch.where(keep, p, 0.0)
     expected = (expected / expected.sum()).numpy()
     assert counts[~keep.numpy()].sum() == 0, "sampled a token outside top-k/top-p"
-    np.testing.assert_allclose(processed_probs(logits, st.rows(torch.tensor([0])))[0].numpy(), expected, atol=1e-6)
+    np.testing.assert_allclose(processed_probs(logits, SamplingTensors.build([temperature], [top_k], [top_p], [None], vocab,
+                                                                     torch.device("cpu")))[0].numpy(), expected, atol=1e-6)
     support = keep.numpy()
     pvalue = chi_square_pvalue(counts[support], expected[support])
     assert pvalue >= P_FLOOR, f"chi-square p={pvalue:.2e}"

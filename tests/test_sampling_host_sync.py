@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from model_ops.sampling import SamplingTensors
-from spec_decode.rejection import verify
+from model_ops.sampling import SamplingTensors, verify
 
 
 def _meta_tensors(temperature: list[float]) -> SamplingTensors:
@@ -21,11 +20,10 @@ def test_greedy_verification_reads_no_sampling_tensor():
     drafts = [[3], [], [7, 1]]  # 2 + 1 + 3 rows
     st = _meta_tensors([0.0] * 6)
     assert st.all_greedy
-    verified = verify(logits, drafts, st, torch.Generator())
-    assert verified.token_ids[1] == [int(logits[2].argmax())]
+    verified = verify(logits, [1, 0, 2], torch.tensor([3, 7, 1]), st, torch.Generator())
+    assert verified.lists()[1][1] == [int(logits[2].argmax())]
 
 
 def test_all_greedy_is_the_rows_fact():
     assert not SamplingTensors.build([0.0, 0.7], [-1, -1], [1.0, 1.0], [None, None], 16, torch.device("cpu")).all_greedy
-    st = SamplingTensors.build([0.0, 0.7, 0.0], [-1] * 3, [1.0] * 3, [None] * 3, 16, torch.device("cpu"))
-    assert st.rows(torch.tensor([0, 2])).all_greedy and not st.rows(torch.tensor([1])).all_greedy
+    assert SamplingTensors.build([0.0, 0.0], [-1, 5], [1.0, 0.5], [None, None], 16, torch.device("cpu")).all_greedy

@@ -140,7 +140,8 @@ def test_deepseek_v3_tp2_with_the_eagle3_mla_draft_and_a_failing_step(make_deeps
     # a worker that raises (a block id far outside the pool) is reported with its error
     bad = SeqStep("bad", [1, 2], [], 0, [10**9], True, None, GREEDY, 0, 2)
     with pytest.raises(WorkerError, match=r"rank \d failed: IndexError"):
-        engine.runner.execute(StepBatch([bad]))
+        engine.runner.launch(StepBatch([bad]))
+        engine.runner.collect()
     assert_all_exited(engine)
 
 

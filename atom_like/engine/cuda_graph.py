@@ -62,7 +62,7 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         self.device, self.block_size = runner.device, runner.block_size
         self.context_bound = width * self.block_size
-        self.bound = self.context_bound  # the max_context_len the next run passes; see run_target
+        self.bound = self.context_bound  # the max_context_len the next run passes; see load
         self.scratch_block = scratch_block
         n, t = self.buckets[-1], self.buckets[-1] * self.q
         dev = dict(device=self.device)
@@ -75,6 +75,7 @@ class DecodeGraphs:
         self.last_rows = torch.arange(n, **dev) * self.q
         self.next_token_ids = torch.zeros(n, dtype=torch.int64, **dev)
         self.sampling = torch.arange(n, **dev)
+        self.num_generated = torch.zeros(n, dtype=torch.int64, **dev)  # read by no capturable proposer
         self.pad_positions = torch.arange(self.q, **dev).repeat(n)
 
         proposer = runner.proposer
@@ -101,10 +102,10 @@ class DecodeGraphs:
         return model.compute_logits(model(self.input_ids[:t], self.positions[:t], self._meta(bs)))
 
     def _draft_loop(self, bs: int) -> torch.Tensor:
-        return self.runner.proposer.propose(self._propose_inputs(bs, self._meta(bs), [], []))
+        return self.runner.proposer.propose(self._propose_inputs(bs, self._meta(bs), [], self.num_generated[:bs]))
 
     def _propose_inputs(self, bs: int, meta: AttentionMetadata, request_ids: list[str],
-                        num_generated: list[int]) -> ProposeInputs:
+                        num_generated: torch.Tensor) -> ProposeInputs:
         t = bs * self.q
         return ProposeInputs(self.input_ids[:t], self.positions[:t], meta, self.last_rows[:bs],
                              self.next_token_ids[:bs], self.sampling[:bs], request_ids, num_generated)
@@ -119,9 +120,9 @@ class DecodeGraphs:
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
-    def run_target(self, host: HostStep) -> tuple[torch.Tensor, StepInputs]:
-        """Logits of every row of a pure decode step ([B * q, vocab]), and the step's inputs as
-        views of the static buffers (for whatever runs eagerly after it)."""
+    def load(self, host: HostStep) -> StepInputs:
+        """Put a pure decode step into the static buffers; returns its inputs as views of them
+        (which the runner may still change on the device, then `replay_target`)."""
         b, t = len(host.context_lens), host.num_tokens
         bs = self.bucket(b)
         pad_t = slice(t, bs * self.q)
@@ -136,20 +137,23 @@ class DecodeGraphs:
         self.block_tables[b:bs] = self.scratch_block
         # off the GPU nothing is frozen, so the reference backend may gather only the true context
         if self.device.type != "cuda":
-            self.bound = int(host.context_lens.max())
-        logits = self.target[bs]()[:t]
-        step = StepInputs(self.input_ids[:t], self.positions[:t], self._meta(b),
+            self.bound = host.max_context_len
+        return StepInputs(self.input_ids[:t], self.positions[:t], self._meta(b),
                           torch.arange(t, device=self.device), host.rows_per_seq)
-        return logits, step
 
-    def run_draft(self, step: StepInputs, last_rows: list[int], next_token_ids: list[int], request_ids: list[str],
-                  num_generated: list[int]) -> torch.Tensor:
-        """The draft loop for the step `run_target` just ran; its proposals, finalized."""
-        b = len(last_rows)
+    def replay_target(self, num_seqs: int) -> torch.Tensor:
+        """Logits of every row of the step `load` put in place ([B * q, vocab])."""
+        return self.target[self.bucket(num_seqs)]()[:num_seqs * self.q]
+
+    def run_draft(self, step: StepInputs, last_rows: torch.Tensor, next_token_ids: torch.Tensor,
+                  request_ids: list[str], num_generated: torch.Tensor) -> torch.Tensor:
+        """The draft loop for the step just replayed; its proposals, finalized."""
+        b = last_rows.shape[0]
         bs = self.bucket(b)
-        self._put(self.last_rows, np.array(last_rows), upto=bs)
+        self.last_rows[:b].copy_(last_rows)
         self.last_rows[b:bs] = torch.arange(b, bs, device=self.device) * self.q
-        self._put(self.next_token_ids, np.array(next_token_ids), fill=0, upto=bs)
+        self.next_token_ids[:b].copy_(next_token_ids)
+        self.next_token_ids[b:bs] = 0
         inputs = self._propose_inputs(b, step.meta, request_ids, num_generated)
         proposer = self.runner.proposer
         drafts = self.draft[bs]()[:b] if self.capture_draft else proposer.propose(inputs)

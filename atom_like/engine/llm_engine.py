@@ -15,7 +15,7 @@ from atom_like.config import (EngineArgs, load_model_config, load_tokenizer, req
 from atom_like.engine.block_manager import BlockManager
 from atom_like.engine.detokenizer import IncrementalDetokenizer
 from atom_like.engine.model_runner import ProposerFactory
-from atom_like.engine.scheduler import Scheduler
+from atom_like.engine.scheduler import ScheduledBatch, Scheduler
 from atom_like.engine.sequence import Sequence
 from atom_like.engine.step_inputs import StepBatch
 from atom_like.engine.tp_executor import StepExecutor, make_executor
@@ -35,7 +35,6 @@ class _Request:
     seq: Sequence
     prompt: str | None
     detokenizer: IncrementalDetokenizer | None
-    num_seen: int = 0  # generated tokens already passed through the detokenizer
 
 
 class LLMEngine:
@@ -65,6 +64,7 @@ class LLMEngine:
                                    self.max_model_len, self.eos_token_ids, self.runner.num_spec_tokens)
         self.requests: dict[str, _Request] = {}
         self._finished_ids: list[str] = []  # finished since the last step; the runner drops their state
+        self._in_flight: ScheduledBatch | None = None  # launched, results not collected (overlap_scheduling)
         self._ids = itertools.count()
         logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d, prefix caching %s", self.args.model,
                     self.device, str(self.dtype).removeprefix("torch."), self.max_model_len,
@@ -142,6 +142,7 @@ class LLMEngine:
             self._finished_ids.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
+        # a step in flight that holds only finished requests is collected (and dropped) by the next step()
         return self.scheduler.has_unfinished()
 
     @property
@@ -153,20 +154,58 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns an (accumulated) output for every request that got
-        new tokens or finished in this step."""
+        new tokens or finished in the step whose results this call collected.
+
+        With overlap_scheduling the next step is scheduled and launched before the previous
+        one's results are read: the device never waits for the host between steps, and outputs
+        come one call later. A step whose requests need the host to know every token first
+        (penalties, min_tokens, prompt logprobs: see _needs_every_token) waits for them."""
+        try:
+            return self._step()
+        except Exception:
+            # a failed launch or collect leaves the pipeline in an unknown state: drop what is in
+            # flight (the caller decides what becomes of the requests it was running)
+            self._in_flight = None
+            self.runner.abandon()
+            for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
+                seq.in_flight.clear()
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        outputs = []
+        if self._in_flight is not None and (not self.args.overlap_scheduling or self._needs_every_token()):
+            outputs = self._collect()
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        step = StepBatch.from_scheduled(batch, self._finished_ids)
-        self._finished_ids.clear()
-        results = self.runner.execute(step)
+        launched = None
+        if batch.seqs:
+            self.runner.launch(StepBatch.from_scheduled(batch, self._finished_ids))
+            self._finished_ids.clear()
+            launched = batch
+        if self._in_flight is not None:
+            outputs += self._collect()
+        self._in_flight = launched
+        if launched is not None and not self.args.overlap_scheduling:
+            outputs += self._collect()
+        return outputs
+
+    def _needs_every_token(self) -> bool:
+        """A request with a step in flight whose next step reads its token history on the host."""
+        for seq in self.scheduler.running:
+            p = seq.params
+            if seq.in_flight and (p.has_penalties or seq.num_generated < p.min_tokens or p.prompt_logprobs is not None):
+                return True
+        return False
+
+    def _collect(self) -> list[RequestOutput]:
+        batch, self._in_flight = self._in_flight, None
+        results = self.runner.collect()
         prompt_only = []
         for item, result in zip(batch.seqs, results):
             item.seq.prompt_logprobs.extend(result.prompt_logprobs)
             if item.samples and item.seq.params.max_tokens == 0:  # it wanted the prompt forward alone
                 result.new_token_ids, result.logprobs, result.draft_token_ids = [], [], []
                 prompt_only.append(item.seq)
-        touched = self.scheduler.update(batch, results)
+        touched = self.scheduler.update(batch, results, self._stop_string)
         for seq in prompt_only:
             self.scheduler.finish(seq, "length")
         return [self._output(seq) for seq in touched]
@@ -175,19 +214,15 @@ class LLMEngine:
         """Stop the tensor-parallel workers (nothing to do at -tp 1); also runs at interpreter exit."""
         self.runner.shutdown()
 
+    def _stop_string(self, seq: Sequence, token: int) -> bool:
+        """Detokenize a token the scheduler appends; True when it completes a stop string (the
+        text is cut before it). Stop strings, like stop ids, count only from min_tokens on (as in vLLM)."""
+        detokenizer = self.requests[seq.request_id].detokenizer
+        return detokenizer is not None and detokenizer.add(token, check_stop=seq.num_generated >= seq.params.min_tokens)
+
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]
         generated = seq.generated_ids
-        if request.detokenizer is not None:
-            for n in range(request.num_seen, len(generated)):
-                # stop strings, like stop ids, count only from min_tokens on (as in vLLM)
-                if request.detokenizer.add(generated[n], check_stop=n + 1 >= seq.params.min_tokens):
-                    del seq.token_ids[seq.num_prompt_tokens + n + 1:]
-                    del seq.logprobs[n + 1:]
-                    self.scheduler.finish(seq, "stop")
-                    break
-            generated = seq.generated_ids
-        request.num_seen = len(generated)
         if seq.finished:
             del self.requests[seq.request_id]
             self._finished_ids.append(seq.request_id)

@@ -18,7 +18,9 @@ import gc
 import itertools
 import logging
 import math
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,10 +28,10 @@ from transformers import PretrainedConfig
 
 from atom_like.config import EngineArgs, resolve_kv_cache_dtype, text_config
 from atom_like.engine.cuda_graph import DecodeGraphs
-from atom_like.engine.sampler import row_logits_processors, row_sampling_tensors, token_logprobs
+from atom_like.engine.sampler import DeviceLogprobs, Sampled, Sampler, token_logprobs
 from atom_like.engine.scheduler import SeqStepResult
 from atom_like.engine.speculative import build_eagle3_proposer
-from atom_like.engine.step_inputs import HostStep, SeqStep, StepBatch, StepInputs, batch_host_step, host_step, upload
+from atom_like.engine.step_inputs import HostStep, StepBatch, StepInputs, batch_host_step, host_step, upload
 from atom_like.loader.kv_scales import read_kv_scales
 from atom_like.loader.quark import checkpoint_quantizer
 from atom_like.loader.weights import iter_checkpoint, load_weights
@@ -37,9 +39,9 @@ from atom_like.models.base import CausalLM
 from atom_like.models.registry import build_model, target_model_class
 from model_ops import tp
 from model_ops.attention.kv_builder import KVCacheBuilder, PagedKVCacheBuilder
+from model_ops.attention.metadata import slots_for_positions
 from model_ops.quant.fp8 import FP8_KV_DTYPES
 from spec_decode.proposer import ProposeInputs, Proposer
-from spec_decode.rejection import verify
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,26 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_MIN_BYTES, CPU_KV_CACHE_MAX_BYTES = 64 << 20, 2 << 30
 
 ProposerFactory = Callable[["ModelRunner"], Proposer]
+
+
+@dataclass
+class _LastOutputs:
+    """A step's sampled tokens and drafts on the device, by request: the inputs of the step after it."""
+    row_of: dict[str, int]  # request id -> row of the tensors below
+    token_ids: torch.Tensor  # [S, K + 1] accepted drafts, the emitted token, -1 padding
+    num_accepted: torch.Tensor  # [S]
+    drafts: torch.Tensor | None  # [S, k]
+
+
+@dataclass
+class _InFlight:
+    """A launched step: what `collect` reads back once the device is done with it."""
+    batch: StepBatch
+    sampling: list[int]  # indices into batch.seqs of the sequences that sampled
+    packed: torch.Tensor  # host [S, K + 2 + k]: token_ids, num_accepted, drafts (one copy, not yet waited for)
+    done: torch.cuda.Event | None  # recorded after the copy (None off CUDA: the copy is already done)
+    logprobs: DeviceLogprobs | None
+    prompt_logprobs: tuple[DeviceLogprobs, list[tuple[int, int]]] | None  # scores, (sequence, count) owners
 
 
 class ModelRunner:
@@ -89,8 +111,9 @@ class ModelRunner:
         ] + (self.proposer.kv_builders() if self.proposer else [])
         # a verify step plus its draft chain reaches 2k slots past the last verified token
         self.max_blocks_per_seq = math.ceil((max_model_len + 2 * self.num_spec_tokens) / args.block_size)
-        self.generator = torch.Generator(device=device).manual_seed(args.seed)
-        self.request_generators: dict[str, torch.Generator] = {}  # requests that bring a seed
+        self.sampler = Sampler(self.vocab_size, device, args.seed)
+        self._in_flight: deque[_InFlight] = deque()  # launched, not collected (oldest first)
+        self._last: _LastOutputs | None = None  # the latest launched step's outputs, for steps that follow it
         self.num_blocks = tp.agree_min(self._plan_num_blocks())  # every rank holds the same blocks
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + 1)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
@@ -197,59 +220,111 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> list[SeqStepResult]:
-        for request_id in batch.finished_request_ids:
-            self.request_generators.pop(request_id, None)
+    def launch(self, batch: StepBatch) -> None:
+        """Queue one step on the device: forward, sampling and verification, the draft. Nothing
+        here waits for the device (no host read of a device value), so the host is free to
+        prepare the next step while this one runs; `collect` reads the results back."""
+        self.sampler.drop(batch.finished_request_ids)
         host = batch_host_step(batch, self.block_size)
         graphed = self.graphs is not None and self.graphs.eligible(batch)
+        step = self.graphs.load(host) if graphed else upload(host, self.device)
+        shift = self._follow_last_step(batch, host, step)
         if graphed:
-            logits, step = self.graphs.run_target(host)
+            logits = self.graphs.replay_target(len(batch.seqs))
         else:
-            step = upload(host, self.device)
             hidden = self.model(step.input_ids, step.positions, step.meta)
             logits = self.model.compute_logits(hidden[step.logits_rows]) if len(host.logits_rows) else None
-        results = [SeqStepResult() for _ in batch.seqs]
-        if not graphed:  # a decode graph runs no prompt
-            self._prompt_logprobs(batch, host, hidden, results)
+        prompt_logprobs = None if graphed else self._prompt_logprobs(batch, host, hidden)  # a decode graph runs no prompt
         sampling = [i for i, n in enumerate(step.rows_per_seq) if n]
-        if sampling:
-            self._verify(batch, step, logits, sampling, results)
-        if self.proposer is not None:
-            self._propose(batch, step, sampling, results, graphed)
+        sampled = self._sample(batch, step, logits, sampling) if sampling else None
+        drafts = self._propose(batch, host, step, sampling, sampled, shift, graphed) if self.proposer else None
+        width = max((len(batch.seqs[i].spec_token_ids) for i in sampling), default=0) + 1
+        parts = [sampled.verified.token_ids, sampled.verified.num_accepted[:, None]] if sampled else []
+        if drafts is not None and sampling:
+            parts.append(drafts.long())
+        packed = torch.cat(parts, dim=1) if parts else torch.zeros(0, width + 1, dtype=torch.long)
+        # the step's one device-to-host copy, into pinned memory so that it does not wait either
+        out = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=self.device.type == "cuda")
+        out.copy_(packed, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        if sampled:
+            self._last = _LastOutputs({batch.seqs[i].request_id: r for r, i in enumerate(sampling)},
+                                      sampled.verified.token_ids, sampled.verified.num_accepted, drafts)
+        self._in_flight.append(_InFlight(batch, sampling, out, done, sampled.logprobs if sampled else None,
+                                         prompt_logprobs))
+
+    def collect(self) -> list[SeqStepResult]:
+        """The results of the oldest step launched and not collected (waits for the device)."""
+        f = self._in_flight.popleft()
+        if f.done is not None:
+            f.done.synchronize()
+        results = [SeqStepResult() for _ in f.batch.seqs]
+        rows = f.packed.tolist()
+        width = max((len(f.batch.seqs[i].spec_token_ids) for i in f.sampling), default=0) + 1
+        logprobs = f.logprobs.to_host() if f.logprobs is not None else None
+        for r, i in enumerate(f.sampling):
+            row, accepted = rows[r], rows[r][width]
+            res = results[i]
+            res.new_token_ids, res.num_accepted = row[:accepted + 1], accepted
+            res.draft_token_ids = row[width + 1:]
+            if logprobs is not None and f.batch.seqs[i].params.logprobs is not None:
+                res.logprobs = logprobs[r * width:r * width + accepted + 1]
+        if f.prompt_logprobs is not None:
+            scores, owners = f.prompt_logprobs
+            scored, n = scores.to_host(), 0
+            for b, count in owners:
+                results[b].prompt_logprobs = scored[n:n + count]
+                n += count
         return results
 
-    def _request_generator(self, seq: SeqStep) -> torch.Generator | None:
-        if seq.params.seed is None:
-            return None
-        if seq.request_id not in self.request_generators:
-            self.request_generators[seq.request_id] = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-        return self.request_generators[seq.request_id]
+    def abandon(self) -> None:
+        """Forget every step launched and not collected (after a failure)."""
+        self._in_flight.clear()
+        self._last = None
 
-    def _verify(self, batch: StepBatch, step: StepInputs, logits: torch.Tensor, sampling: list[int],
-                results: list[SeqStepResult]) -> None:
-        """Sample each sampling sequence's next token, verifying its draft tokens first if it has any."""
+    def _follow_last_step(self, batch: StepBatch, host: HostStep, step: StepInputs) -> torch.Tensor | None:
+        """Give the sequences that follow the previous step (SeqStep.follows) what it sampled, on
+        the device: their first token is its emitted token, their drafts its proposals, and their
+        positions, slots and context lengths move by its accepted count. Returns the count per
+        sequence of the batch (0 for the others), or None when no sequence follows."""
+        follow = [b for b, s in enumerate(batch.seqs) if s.follows]
+        if not follow:
+            return None
+        last = self._last
+        src = torch.tensor([last.row_of[batch.seqs[b].request_id] for b in follow]).to(self.device, non_blocking=True)
+        seqs = torch.tensor(follow).to(self.device, non_blocking=True)
+        accepted = last.num_accepted[src]
+        first = last.token_ids[src].gather(1, accepted[:, None])
+        q = 1 + self.num_spec_tokens
+        ids = torch.cat([first, last.drafts[src]], dim=1) if self.num_spec_tokens else first
+        cols = (torch.from_numpy(host.query_start_loc[follow]).to(self.device, non_blocking=True)[:, None]
+                + torch.arange(q, device=self.device))
+        step.input_ids[cols] = ids
+        positions = step.positions[cols] + accepted[:, None]
+        step.positions[cols] = positions
+        step.meta.context_lens[seqs] += accepted.to(step.meta.context_lens.dtype)
+        tables = step.meta.block_tables[seqs].repeat_interleave(q, dim=0)
+        step.meta.slot_mapping[cols] = slots_for_positions(tables, positions.reshape(-1), self.block_size).view(-1, q)
+        shift = torch.zeros(len(batch.seqs), dtype=torch.long, device=self.device)
+        shift[seqs] = accepted
+        return shift
+
+    def _sample(self, batch: StepBatch, step: StepInputs, logits: torch.Tensor, sampling: list[int]) -> Sampled:
+        """Sample each sampling sequence's next token, verifying its draft tokens first if it has any
+        (the drafts are read from the step's device inputs: the host may not know them yet)."""
         items = [batch.seqs[i] for i in sampling]
         rows = [step.rows_per_seq[i] for i in sampling]
-        drafts = [item.spec_token_ids for item in items]
-        st = row_sampling_tensors([item.params for item in items], [self._request_generator(item) for item in items],
-                                  rows, self.vocab_size, logits.device)
-        processors = row_logits_processors(items, logits.shape[-1], logits.device)
+        starts = np.concatenate([[0], np.cumsum(rows)[:-1]])
+        draft_rows = np.array([s + j for s, n in zip(starts, rows) for j in range(n - 1)], dtype=np.int64)
+        draft_ids = step.input_ids[step.logits_rows[torch.from_numpy(draft_rows).to(self.device, non_blocking=True)] + 1]
         forced = self.proposer.forced_acceptance if self.proposer else None
-        verified = verify(logits, drafts, st, self.generator, forced_acceptance=forced, processors=processors)
-        starts = list(itertools.accumulate([0] + rows[:-1]))
-        row_of_token = [start + j for start, toks in zip(starts, verified.token_ids) for j in range(len(toks))]
-        seq_of_token = [b for b, toks in enumerate(verified.token_ids) for _ in toks]
-        flat = torch.tensor([t for toks in verified.token_ids for t in toks], device=logits.device)
-        logprobs = token_logprobs(logits[row_of_token], flat, [items[b].params.logprobs for b in seq_of_token])
-        n = 0
-        for i, item, accepted, toks in zip(sampling, items, verified.num_accepted, verified.token_ids):
-            results[i].new_token_ids, results[i].num_accepted = toks, accepted
-            if item.params.logprobs is not None:
-                results[i].logprobs = logprobs[n:n + len(toks)]
-            n += len(toks)
+        return self.sampler.sample(logits, items, draft_ids, forced)
 
-    def _prompt_logprobs(self, batch: StepBatch, host: HostStep, hidden: torch.Tensor,
-                         results: list[SeqStepResult]) -> None:
+    def _prompt_logprobs(self, batch: StepBatch, host: HostStep,
+                         hidden: torch.Tensor) -> tuple[DeviceLogprobs, list[tuple[int, int]]] | None:
         """Logprobs of the prompt tokens this step's chunks predict (position p scores token p + 1),
         for sequences that ask: from this very forward's hidden states, so they are the engine's
         own numbers. Positions already scored (before a preemption) are skipped."""
@@ -269,34 +344,34 @@ class ModelRunner:
             top_n.extend([item.params.prompt_logprobs] * (end - start))
             owners.append((b, end - start))
         if not rows:
-            return
+            return None
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        scored = token_logprobs(logits, torch.tensor(targets, device=hidden.device), top_n)
-        n = 0
-        for b, count in owners:
-            results[b].prompt_logprobs = scored[n:n + count]
-            n += count
+        return token_logprobs(logits, torch.tensor(targets, device=hidden.device), top_n), owners
 
-    def _propose(self, batch: StepBatch, step: StepInputs, sampling: list[int], results: list[SeqStepResult],
-                 graphed: bool) -> None:
-        qsl = step.meta.query_start_loc.tolist()
-        last_rows, next_tokens = [], []
-        for b, item in enumerate(batch.seqs):
-            res = results[b]
-            last_rows.append(qsl[b] + len(item.token_ids) - 1 + res.num_accepted)
-            # an unfinished prompt: its next chunk starts with next_token_id
-            next_tokens.append(res.new_token_ids[-1] if item.samples else item.next_token_id)
+    def _propose(self, batch: StepBatch, host: HostStep, step: StepInputs, sampling: list[int],
+                 sampled: Sampled | None, shift: torch.Tensor | None, graphed: bool) -> torch.Tensor:
+        """The draft's proposals [S, k] for the sampling sequences, on the device. Each sequence's
+        last verified row and the token after it depend on how many drafts this step accepted,
+        which only the device knows."""
+        qsl = host.query_start_loc
+        last_rows = torch.tensor([qsl[b] + len(item.token_ids) - 1 for b, item in enumerate(batch.seqs)])
+        next_tokens = torch.tensor([0 if item.samples else item.next_token_id for item in batch.seqs])
+        generated = torch.tensor([batch.seqs[i].num_generated for i in sampling], dtype=torch.long)
+        last_rows, next_tokens = last_rows.to(self.device, non_blocking=True), next_tokens.to(self.device, non_blocking=True)
+        generated = generated.to(self.device, non_blocking=True)
+        sampling_t = torch.tensor(sampling, dtype=torch.long).to(self.device, non_blocking=True)
+        if sampled is not None:
+            accepted = sampled.verified.num_accepted
+            last_rows[sampling_t] += accepted
+            next_tokens[sampling_t] = sampled.verified.token_ids.gather(1, accepted[:, None]).squeeze(1)
+            generated += accepted + 1
+            if shift is not None:  # the previous step's tokens, which the host has not counted yet
+                follows = torch.tensor([batch.seqs[i].follows for i in sampling]).to(self.device, non_blocking=True)
+                generated += (shift[sampling_t] + 1) * follows
         request_ids = [batch.seqs[i].request_id for i in sampling]
-        num_generated = [batch.seqs[i].num_generated + len(results[i].new_token_ids) for i in sampling]
         if graphed:
-            drafts = self.graphs.run_draft(step, last_rows, next_tokens, request_ids, num_generated)
-        else:
-            inputs = ProposeInputs(
-                input_ids=step.input_ids, positions=step.positions, meta=step.meta,
-                last_rows=torch.tensor(last_rows, device=self.device),
-                next_token_ids=torch.tensor(next_tokens, device=self.device),
-                sampling=torch.tensor(sampling, dtype=torch.long, device=self.device),
-                request_ids=request_ids, num_generated=num_generated)
-            drafts = self.proposer.finalize(self.proposer.propose(inputs), inputs)
-        for i, proposal in zip(sampling, drafts.tolist()):
-            results[i].draft_token_ids = proposal
+            return self.graphs.run_draft(step, last_rows, next_tokens, request_ids, generated)
+        inputs = ProposeInputs(input_ids=step.input_ids, positions=step.positions, meta=step.meta,
+                               last_rows=last_rows, next_token_ids=next_tokens, sampling=sampling_t,
+                               request_ids=request_ids, num_generated=generated)
+        return self.proposer.finalize(self.proposer.propose(inputs), inputs)

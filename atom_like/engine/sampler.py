@@ -1,8 +1,19 @@
-"""From a step's sequences (StepBatch's SeqStep: host values, the same on every tensor-parallel
-rank) to per-row sampling tensors and logits processors, and from logits to OpenAI-style
-logprobs."""
+"""The engine's sampler: the one owner of sampling. From a step's sequences (StepBatch's SeqStep:
+host values, the same on every tensor-parallel rank) it builds per-row sampling tensors and
+logits processors, draws every token on the device (model_ops/sampling.py: plain sampling and
+speculative verification are one path), owns every RNG a draw uses (the shared one seeded with
+--seed, one per request that brings a seed), and computes OpenAI-style logprobs on the device,
+read back only when the step's results are collected.
+
+Seeded requests draw only from their own generator, so their tokens do not depend on what else
+shares the batch, how the prompt was chunked, or (without a draft) preemption: a preempted
+request keeps its generator and draws only for tokens it keeps. With a draft, a preempted
+request is re-drafted from its recomputed prefix and the draws that verify those drafts may
+differ from an uninterrupted run (docs/serving.md, "Seeds").
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import numpy as np
@@ -11,7 +22,7 @@ import torch
 from atom_like.engine.step_inputs import SeqStep
 from atom_like.sampling_params import SamplingParams, TokenLogprobs
 from model_ops.logits_processors import LogitsProcessors, Penalties, TokenEntries
-from model_ops.sampling import SamplingTensors
+from model_ops.sampling import SamplingTensors, Verified, verify
 
 
 def row_sampling_tensors(params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -94,20 +105,77 @@ def _penalties(seqs: list[SeqStep], drafts: list[list[int]], starts: list[int], 
         repetition=floats("repetition_penalty"))
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int | None]) -> list[TokenLogprobs | None]:
+@dataclass
+class DeviceLogprobs:
+    """Logprobs of chosen tokens and the top-n alternatives, still on the device."""
+    chosen: torch.Tensor  # [N]
+    top_values: torch.Tensor  # [N, w]
+    top_ids: torch.Tensor  # [N, w]
+    tokens: torch.Tensor  # [N] the chosen tokens
+    top_n: list[int | None]  # [N] per entry: None when its request asks for none
+
+    def to_host(self) -> list[TokenLogprobs | None]:
+        chosen, tokens = self.chosen.tolist(), self.tokens.tolist()
+        top_values, top_ids = self.top_values.tolist(), self.top_ids.tolist()
+        out: list[TokenLogprobs | None] = []
+        for row, n in enumerate(self.top_n):
+            top = dict(zip(top_ids[row][:n], top_values[row][:n])) if n else {}
+            out.append(None if n is None else TokenLogprobs(tokens[row], chosen[row], top))
+        return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int | None]) -> DeviceLogprobs:
     """Logprob of each chosen token and the `top_n` most likely ones, under the model's raw
-    (untempered) distribution, as OpenAI's API reports them."""
-    if all(n is None for n in top_n):
-        return [None] * len(top_n)
+    (unprocessed, untempered) distribution, as OpenAI's API reports them."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
-    width = max(n or 0 for n in top_n)
-    top_vals, top_ids = logp.topk(width, dim=-1) if width else (None, None)
-    out: list[TokenLogprobs | None] = []
-    for row, n in enumerate(top_n):
-        if n is None:
-            out.append(None)
-            continue
-        top = dict(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist())) if n else {}
-        out.append(TokenLogprobs(int(tokens[row]), chosen[row], top))
-    return out
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    top_values, top_ids = logp.topk(max((n or 0 for n in top_n), default=0), dim=-1)
+    return DeviceLogprobs(chosen, top_values, top_ids, tokens, top_n)
+
+
+@dataclass
+class Sampled:
+    """One step's draws for its sampling sequences, on the device."""
+    verified: Verified
+    logprobs: DeviceLogprobs | None  # over [S, K + 1] entries, row-major; None when no request asks
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int):
+        self.vocab_size, self.device = vocab_size, device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}  # requests that bring a seed
+
+    def drop(self, request_ids: list[str]) -> None:
+        """Forget finished requests' generators."""
+        for request_id in request_ids:
+            self.request_generators.pop(request_id, None)
+
+    def _generator(self, seq: SeqStep) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        if seq.request_id not in self.request_generators:
+            self.request_generators[seq.request_id] = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return self.request_generators[seq.request_id]
+
+    def sample(self, logits: torch.Tensor, seqs: list[SeqStep], draft_ids: torch.Tensor,
+               forced_acceptance: int | None = None) -> Sampled:
+        """`logits` holds len(seq.spec_token_ids) + 1 rows per sequence; `draft_ids` their drafts,
+        flattened (device values: a sequence whose drafts the host has not seen yet has
+        placeholders in spec_token_ids, and only their count matters here)."""
+        num_drafts = [len(s.spec_token_ids) for s in seqs]
+        rows = [n + 1 for n in num_drafts]
+        st = row_sampling_tensors([s.params for s in seqs], [self._generator(s) for s in seqs], rows,
+                                  self.vocab_size, logits.device)
+        processors = row_logits_processors(seqs, logits.shape[-1], logits.device)
+        verified = verify(logits, num_drafts, draft_ids, st, self.generator, processors,
+                          forced_acceptance=forced_acceptance)
+        logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            width = max(num_drafts) + 1
+            starts = np.concatenate([[0], np.cumsum(rows)[:-1]])
+            grid = starts[:, None] + np.minimum(np.arange(width)[None, :], np.array(num_drafts)[:, None])
+            index = torch.from_numpy(grid.reshape(-1)).to(logits.device, non_blocking=True)
+            logprobs = token_logprobs(logits[index], verified.token_ids.reshape(-1).clamp_min(0),
+                                      [s.params.logprobs for s in seqs for _ in range(width)])
+        return Sampled(verified, logprobs)

@@ -7,10 +7,19 @@ decode rows share one batch. When the KV pool runs out, the newest running seque
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed
 later, so no request is ever lost and the engine never crashes for lack of KV. A request starts
 from the longest cached prefix of its tokens (block_manager.py) and computes only the rest.
+
+Overlapped scheduling (LLMEngine): step N + 1 is scheduled while step N still runs, before its
+results are applied. A sequence with a step in flight starts where that step ends assuming
+none of its drafts is accepted (`shift_bound` says how many may be); if that step samples, its
+token and drafts are still on the device, so the sequence can only continue by one decode step
+(SeqStep.follows), and its KV is reserved for the longest outcome. A sequence whose step in
+flight ends it for sure (max_tokens, max_model_len) is not scheduled again; one that its step
+in flight may end (EOS, a stop string) is, and the extra step's tokens are dropped.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from atom_like.engine.block_manager import BlockManager
@@ -25,6 +34,8 @@ class ScheduledSeq:
     num_new_tokens: int  # known tokens computed this step (a prompt chunk, or the last sampled token)
     spec_token_ids: list[int]  # draft tokens verified after them
     samples: bool  # the step ends at the sequence's last known token, so it yields a new token
+    start: int = 0  # position of the first token computed (tokens whose KV is, or will be, in the cache)
+    shift_bound: int | None = None  # not None: follows a sampling step in flight (see the module note)
 
 
 @dataclass
@@ -89,13 +100,24 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            spec = seq.spec_token_ids if remaining == 1 else []
-            num_new = min(remaining, budget - len(spec))
-            if num_new < 1:
-                break
-            samples = num_new == remaining
-            need = self.capacity_needed(seq.num_computed_tokens, num_new, len(spec), samples)
+            start = seq.num_computed_tokens + sum(n for n, _ in seq.in_flight)
+            shift_bound = None
+            if seq.in_flight and seq.num_tokens == start:  # its step in flight samples: a token we have not seen
+                if self._ends_in_flight(seq):
+                    i += 1
+                    continue
+                shift_bound = seq.in_flight[-1][1]
+                spec, num_new = [-1] * self.num_spec_tokens, 1
+                if budget < num_new + len(spec):
+                    break
+            else:
+                remaining = seq.num_tokens - start
+                spec = seq.spec_token_ids if remaining == 1 else []
+                num_new = min(remaining, budget - len(spec))
+                if num_new < 1:
+                    break
+            samples = shift_bound is not None or num_new == seq.num_tokens - start
+            need = self.capacity_needed(start + (shift_bound or 0), num_new, len(spec), samples)
             while not self.block_manager.ensure_capacity(seq, need):
                 self._preempt(self.running[-1])
                 preempted = True
@@ -103,13 +125,13 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            scheduled.append(ScheduledSeq(seq, num_new, list(spec), samples))
+            scheduled.append(ScheduledSeq(seq, num_new, list(spec), samples, start, shift_bound))
             budget -= num_new + len(spec)
             i += 1
 
         # Admitting new work in a step that had to preempt would only thrash the pool.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]  # holds no blocks, has computed nothing
+            seq = self.waiting[0]  # holds no blocks, has computed nothing, has no step in flight
             prefix = self.block_manager.cached_prefix(seq)
             cached = len(prefix) * self.block_manager.block_size
             remaining = seq.num_tokens - cached
@@ -121,9 +143,15 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, num_new, [], samples))
+            scheduled.append(ScheduledSeq(seq, num_new, [], samples, cached))
             budget -= num_new
+        for item in scheduled:
+            item.seq.in_flight.append((item.num_new_tokens, len(item.spec_token_ids)))
         return ScheduledBatch(scheduled)
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """The sampling step in flight ends `seq` whatever it samples (it emits at least one token)."""
+        return seq.num_generated + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -135,30 +163,39 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
 
-    def update(self, batch: ScheduledBatch, results: list[SeqStepResult]) -> list[Sequence]:
-        """Apply one step's results; returns the sequences that received tokens or finished."""
+    def update(self, batch: ScheduledBatch, results: list[SeqStepResult],
+               stop_string: Callable[[Sequence, int], bool] | None = None) -> list[Sequence]:
+        """Apply one step's results; returns the sequences that received tokens or finished.
+        `stop_string(seq, token)` is told of every token appended, in order, and says whether it
+        completed a stop string (the engine's detokenizer): the sequence ends there, so the tokens
+        a sequence keeps are decided here and nowhere else."""
         touched = []
         for item, result in zip(batch.seqs, results, strict=True):
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
-            computed_before = seq.num_computed_tokens
-            seq.num_computed_tokens += item.num_new_tokens + result.num_accepted
-            self.block_manager.cache_computed_blocks(seq, computed_before)
+            seq.in_flight.popleft()
+            if seq.finished:
+                continue  # aborted, or ended by the step before, while this one ran
             if item.spec_token_ids:
                 self.spec_stats.observe(len(item.spec_token_ids), result.num_accepted)
+            if seq.status is SequenceStatus.RUNNING:
+                computed_before = seq.num_computed_tokens
+                seq.num_computed_tokens += item.num_new_tokens + result.num_accepted
+                self.block_manager.cache_computed_blocks(seq, computed_before)
+            # else preempted after this step was launched: its tokens still count (they were drawn
+            # from a valid prefix, and a seeded request must not draw them again); its KV is gone
             if not item.samples:
                 continue
             for n, token in enumerate(result.new_token_ids):
                 seq.token_ids.append(token)
                 if result.logprobs:
                     seq.logprobs.append(result.logprobs[n])
-                reason = self._stop_reason(seq, token)
+                reason = "stop" if stop_string is not None and stop_string(seq, token) else self._stop_reason(seq, token)
                 if reason is not None:
                     self.finish(seq, reason)
                     break
             else:
-                seq.spec_token_ids = result.draft_token_ids
+                if seq.status is SequenceStatus.RUNNING:
+                    seq.spec_token_ids = result.draft_token_ids
             touched.append(seq)
         if any(item.spec_token_ids for item in batch.seqs):
             self.spec_stats.end_step()

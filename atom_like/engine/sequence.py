@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from collections import deque
 
 from atom_like.sampling_params import SamplingParams, TokenLogprobs
 
@@ -30,6 +31,9 @@ class Sequence:
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs] = []  # for prompt tokens 1.. (with params.prompt_logprobs)
         self.num_preemptions = 0
+        # steps launched whose results the host has not applied yet (overlapped scheduling: at most
+        # one when the next step is scheduled): each one's known new tokens and its draft count
+        self.in_flight: deque[tuple[int, int]] = deque()
 
     @property
     def num_tokens(self) -> int:

@@ -33,17 +33,28 @@ class SeqStep:
     stop_ids: list[int] = field(default_factory=list)  # what min_tokens holds back, while it does
     prompt_ids: list[int] = field(default_factory=list)  # the prompt, for the repetition penalty
     output_ids: list[int] = field(default_factory=list)  # the generated tokens, for the penalties
+    # Overlapped scheduling: the sequence continues from the previous step, whose results the host
+    # has not read yet. Its token and drafts are that step's outputs, still on the device:
+    # token_ids / spec_token_ids hold placeholders (-1), `start` and num_generated assume none of
+    # that step's `shift_bound` drafts was accepted, and the runner shifts by the accepted count.
+    follows: bool = False
+    shift_bound: int = 0
 
     @classmethod
-    def of(cls, seq: Sequence, num_new_tokens: int, spec_token_ids: list[int], samples: bool) -> "SeqStep":
-        c, p = seq.num_computed_tokens, seq.params
+    def of(cls, seq: Sequence, start: int, num_new_tokens: int, spec_token_ids: list[int], samples: bool,
+           shift_bound: int | None) -> "SeqStep":
+        """`shift_bound` None: the host knows every token; else the step follows one in flight."""
+        c, p = start, seq.params
         end = c + num_new_tokens
-        return cls(seq.request_id, seq.token_ids[c:end], spec_token_ids, c, seq.block_table, samples,
-                   None if samples else seq.token_ids[end], p, seq.num_generated, seq.num_prompt_tokens,
+        follows = shift_bound is not None
+        return cls(seq.request_id, [-1] * num_new_tokens if follows else seq.token_ids[c:end], spec_token_ids, c,
+                   seq.block_table, samples, None if samples else seq.token_ids[end], p, seq.num_generated,
+                   seq.num_prompt_tokens,
                    num_prompt_logprobs=len(seq.prompt_logprobs),
                    stop_ids=seq.stop_ids if seq.num_generated < p.min_tokens else [],
                    prompt_ids=seq.token_ids[:seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else [],
-                   output_ids=seq.generated_ids if p.has_penalties else [])
+                   output_ids=seq.generated_ids if p.has_penalties else [],
+                   follows=follows, shift_bound=shift_bound or 0)
 
 
 @dataclass
@@ -58,8 +69,8 @@ class StepBatch:
     def from_scheduled(cls, batch: ScheduledBatch, finished_request_ids: list[str]) -> "StepBatch":
         # the block tables are the sequences' own lists (no copies): the runner reads them before
         # the scheduler moves on, and pickling copies them for workers
-        return cls([SeqStep.of(item.seq, item.num_new_tokens, item.spec_token_ids, item.samples)
-                    for item in batch.seqs], list(finished_request_ids))
+        return cls([SeqStep.of(item.seq, item.start, item.num_new_tokens, item.spec_token_ids, item.samples,
+                                item.shift_bound) for item in batch.seqs], list(finished_request_ids))
 
 
 @dataclass
@@ -72,6 +83,7 @@ class HostStep:
     block_tables: np.ndarray  # [B, width] int64
     logits_rows: np.ndarray  # rows that need logits, grouped by sequence
     rows_per_seq: list[int]  # logits rows per sequence (0 when it does not sample)
+    max_context_len: int  # an upper bound: context_lens of steps that follow one in flight grow on the device
 
     @property
     def num_tokens(self) -> int:
@@ -92,8 +104,9 @@ class StepInputs:
 
 
 def host_step(tokens: list[np.ndarray], starts: list[int], tables: list[list[int]], logits_rows: list[list[int]],
-              block_size: int) -> HostStep:
-    """Sequence b computes `tokens[b]` at positions starts[b]..; `logits_rows[b]` are offsets within it."""
+              block_size: int, shifts: list[int] | None = None) -> HostStep:
+    """Sequence b computes `tokens[b]` at positions starts[b]..; `logits_rows[b]` are offsets within
+    it; `shifts[b]` bounds how far the device may still move it (see SeqStep.follows)."""
     lens = np.array([len(t) for t in tokens], dtype=np.int64)
     qsl = np.zeros(len(tokens) + 1, dtype=np.int64)
     np.cumsum(lens, out=qsl[1:])
@@ -105,8 +118,10 @@ def host_step(tokens: list[np.ndarray], starts: list[int], tables: list[list[int
         positions.append(pos)
         slots.append(block_tables[b, pos // block_size] * block_size + pos % block_size)
     rows = np.array([qsl[b] + r for b, rs in enumerate(logits_rows) for r in rs], dtype=np.int64)
+    context_lens = np.array(starts, dtype=np.int64) + lens
+    bound = int((context_lens + np.array(shifts or 0, dtype=np.int64)).max())
     return HostStep(np.concatenate(tokens).astype(np.int64), np.concatenate(positions), np.concatenate(slots), qsl,
-                    np.array(starts, dtype=np.int64) + lens, block_tables, rows, [len(r) for r in logits_rows])
+                    context_lens, block_tables, rows, [len(r) for r in logits_rows], bound)
 
 
 def batch_host_step(batch: StepBatch, block_size: int) -> HostStep:
@@ -117,7 +132,7 @@ def batch_host_step(batch: StepBatch, block_size: int) -> HostStep:
         starts.append(s.start)
         tables.append(s.block_table)
         logits_rows.append(list(range(n - 1, n + len(s.spec_token_ids))) if s.samples else [])
-    return host_step(tokens, starts, tables, logits_rows, block_size)
+    return host_step(tokens, starts, tables, logits_rows, block_size, [s.shift_bound for s in batch.seqs])
 
 
 def upload(step: HostStep, device: torch.device) -> StepInputs:
@@ -130,7 +145,7 @@ def upload(step: HostStep, device: torch.device) -> StepInputs:
         block_tables=dev(step.block_tables, torch.int32),
         slot_mapping=dev(step.slot_mapping, torch.int64),
         max_query_len=step.max_query_len,
-        max_context_len=int(step.context_lens.max()),
+        max_context_len=step.max_context_len,
     )
     return StepInputs(dev(step.input_ids, torch.int64), dev(step.positions, torch.int64), meta,
                       dev(step.logits_rows, torch.int64), step.rows_per_seq)

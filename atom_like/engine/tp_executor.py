@@ -68,7 +68,14 @@ class StepExecutor(Protocol):
     num_spec_tokens: int
     failure: str | None  # why the executor can run no more steps (a rank died); None while healthy
 
-    def execute(self, batch: StepBatch) -> list[SeqStepResult]: ...
+    def launch(self, batch: StepBatch) -> None:
+        """Start a step; returns before it is done (ModelRunner.launch)."""
+
+    def collect(self) -> list[SeqStepResult]:
+        """The results of the oldest step launched and not yet collected."""
+
+    def abandon(self) -> None:
+        """Forget every step launched and not collected (after a failure)."""
 
     def shutdown(self) -> None: ...
 
@@ -186,8 +193,13 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn: multiprocessing.connection.
         device = init_rank(rank, size, rank, resolve_device(spec.args.device).type, spec.init_method)
         runner = _rank_runner(spec.args, device, spec.dtype, spec.max_model_len, spec.proposer_factory)
         conn.send(("ready", _info(runner)))
-        while (batch := pickle.loads(conn.recv_bytes())) is not None:
-            conn.send(("result", runner.execute(batch)))
+        while (message := pickle.loads(conn.recv_bytes())) is not None:
+            if message == "collect":
+                conn.send(("result", runner.collect()))
+            elif message == "abandon":
+                runner.abandon()
+            else:
+                runner.launch(message)
     except BaseException as exc:  # noqa: BLE001 - whatever it is, the driver must hear of it before we go
         try:
             conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
@@ -241,18 +253,30 @@ class SpawnExecutor:
         self.num_spec_tokens = infos[0].num_spec_tokens
         logger.info("tensor parallel: %d workers (pids %s)", self.size, [p.pid for p in self.procs])
 
-    def execute(self, batch: StepBatch) -> list[SeqStepResult]:
+    def launch(self, batch: StepBatch) -> None:
+        self._send(batch)
+
+    def collect(self) -> list[SeqStepResult]:
+        self._send("collect")
+        per_rank: list[list[SeqStepResult]] = self._collect("result")
+        self._check_agreement(per_rank)
+        return per_rank[0]
+
+    def abandon(self) -> None:
+        if self.failure is None:  # else the workers are gone
+            self._send("abandon")
+
+    def _send(self, message: StepBatch | str) -> None:
+        """To every worker: a step to launch, "collect" (reply with the oldest step's results) or
+        "abandon" (forget the steps not collected)."""
         if self.failure is not None:
             raise WorkerError(self.failure)
-        data = pickle.dumps(batch)
+        data = pickle.dumps(message)
         try:
             for conn in self.conns:
                 conn.send_bytes(data)
         except OSError:
             pass  # a worker is gone: _collect names it
-        per_rank: list[list[SeqStepResult]] = self._collect("result")
-        self._check_agreement(per_rank)
-        return per_rank[0]
 
     def _collect(self, kind: str, timeout: float | None = None) -> list:
         """One `kind` reply from every rank, watching every worker's sentinel meanwhile."""
@@ -379,9 +403,17 @@ class TorchrunExecutor:
         # at the latest at interpreter exit: the other ranks wait for rank 0's word to exit cleanly
         self._finalizer = weakref.finalize(self, _release_torchrun_ranks, self.control)
 
-    def execute(self, batch: StepBatch) -> list[SeqStepResult]:
+    def launch(self, batch: StepBatch) -> None:
         dist.broadcast_object_list([batch], src=0, group=self.control)
-        return self.runner.execute(batch)
+        self.runner.launch(batch)
+
+    def collect(self) -> list[SeqStepResult]:
+        dist.broadcast_object_list(["collect"], src=0, group=self.control)
+        return self.runner.collect()
+
+    def abandon(self) -> None:
+        dist.broadcast_object_list(["abandon"], src=0, group=self.control)
+        self.runner.abandon()
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -408,5 +440,10 @@ def serve_torchrun_rank(rank: int, local_rank: int, args: EngineArgs, dtype: tor
         dist.broadcast_object_list(message, src=0, group=control)
         if message[0] is None:
             break
-        runner.execute(message[0])
+        if message[0] == "collect":
+            runner.collect()  # every rank reads its results back, so none runs ahead unboundedly
+        elif message[0] == "abandon":
+            runner.abandon()
+        else:
+            runner.launch(message[0])
     dist.destroy_process_group()

@@ -2,11 +2,11 @@
 rope + KV write (MHA 32/8 heads D=128; MLA 64 heads, L=512, R=64; bf16 and fp8 caches), SiLU-and-mul
 (I=14336) and the split-K skinny GEMM, each against the eager ops it replaces on the same inputs.
 
-The rope kernel rounds like the eager ops, but the GPU compiler contracts x * cos + r * sin into a
-fused multiply-add (one rounding instead of two), so on an H100 (2026-11-22) a few elements differ
-from the eager path by one bf16 ulp (one e4m3 step in an fp8 cache); the engine's bf16 parity
-tests against an fp32 oracle came out no worse with it (tests/gpu/test_engine_gpu.py). So: equal
-up to one ulp of the stored dtype, on at most 2% of elements. SiLU-and-mul may differ where exp()
+The rope kernel computes x * cos + r * sin in fp32 and rounds once (the compiler also contracts it
+into a fused multiply-add), where the eager ops round each product and the sum to bf16: on an H100
+(2026-11-22) about 20% of rotated elements differ from the eager path by one bf16 ulp. So both
+are checked against the rope computed in fp32 and rounded once to the stored dtype: the kernel
+within one ulp of it everywhere, and off it on no more elements than the eager path. SiLU-and-mul may differ where exp()
 differs by an ulp (at most 1% of elements, each by one bf16 ulp); the GEMM by accumulation order
 (relative error < 1e-2). On the CPU interpreter the rope kernel is bit-exact (tests/test_kernels_rope_kv_cache.py).
 """
@@ -28,16 +28,22 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 DEVICE, DT = "cuda", torch.bfloat16
 
 
-def assert_within_one_ulp(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-    """Equal up to one ulp of the stored dtype (bf16: 2^-7 relative, e4m3: 2^-3) on <= 2% of elements."""
+def assert_as_accurate(got: torch.Tensor, eager: torch.Tensor, ideal: torch.Tensor,
+                       scale: torch.Tensor | None = None) -> None:
+    """`got` (the kernel) differs from `ideal` (fp32 math rounded once) on no more elements than
+    `eager` does, each by at most one ulp of the stored dtype at the scale of the rotated terms
+    (inputs ~N(0, 1), so terms below 4: bf16 2^-6; e4m3 2^-3 relative) - a sum that cancels to a
+    small result keeps the rounding error of its terms."""
     if got.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-        rtol, atol = 2**-3, 2**-9 * float(scale)  # e4m3's smallest subnormal step, times the scale
-        got, expected = got.float() * float(scale), expected.float() * float(scale)
+        # one e4m3 step of the result (2^-3 relative) on top of the bf16 step at the terms' scale
+        rtol, atol = 2**-3 * 1.01, 2**-6
+        got, eager, ideal = (t.float() * float(scale) for t in (got, eager, ideal))
     else:
-        rtol, atol = 2**-7, 1e-6
-    differ = (got != expected).float().mean().item()
-    assert differ <= 0.02, f"{differ:.2%} of elements differ"
-    torch.testing.assert_close(got.float(), expected.float(), rtol=rtol, atol=atol)
+        rtol, atol = 2**-7, 2**-6
+    ours, theirs = (got != ideal).float().mean().item(), (eager != ideal).float().mean().item()
+    print(f"elements off the once-rounded fp32 result: kernel {ours:.2%}, eager ops {theirs:.2%}")
+    assert ours <= theirs + 1e-3
+    torch.testing.assert_close(got.float(), ideal.float(), rtol=rtol, atol=atol)
 
 
 def _setup(rot: int, interleaved: bool, tokens: int, g):
@@ -61,15 +67,17 @@ def test_rope_write_mha(fp8, tokens):
     k_cache = torch.randn(64, 16, 8, 128, generator=g).to(DEVICE, cache_dtype)
     v_cache = torch.randn(64, 16, 8, 128, generator=g).to(DEVICE, cache_dtype)
     scales = dict(k_scale=torch.tensor([0.05], device=DEVICE), v_scale=torch.tensor([0.02], device=DEVICE)) if fp8 else {}
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    for cache, rows, scale in ((k_ref, rotary.apply(k, cos, sin), scales.get("k_scale")), (v_ref, v, scales.get("v_scale"))):
+    k_eager, v_ref, k_ideal = k_cache.clone(), v_cache.clone(), k_cache.clone()
+    ideal = {name: rotary.apply(x.float(), cos.float(), sin.float()) for name, x in (("q", q), ("k", k))}
+    for cache, rows, scale in ((k_eager, rotary.apply(k, cos, sin), scales.get("k_scale")), (v_ref, v, scales.get("v_scale")),
+                               (k_ideal, ideal["k"], scales.get("k_scale"))):
         if fp8:
             torch_ref.write_cache(cache.view(torch.uint8), quantize_fp8(rows, scale, cache_dtype).view(torch.uint8), slots)
         else:
-            torch_ref.write_cache(cache, rows, slots)
+            torch_ref.write_cache(cache, rows.to(DT), slots)
     q_out = rope_write_kv_cache(q, k, v, k_cache, v_cache, cos, sin, slots, **scales)
-    assert_within_one_ulp(q_out, rotary.apply(q, cos, sin))
-    assert_within_one_ulp(k_cache, k_ref, scales.get("k_scale"))
+    assert_as_accurate(q_out, rotary.apply(q, cos, sin), ideal["q"].to(DT))
+    assert_as_accurate(k_cache, k_eager, k_ideal, scales.get("k_scale"))
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))  # v is not rotated: bit for bit
 
 
@@ -80,12 +88,15 @@ def test_rope_write_mla(tokens):
     q = torch.randn(tokens, 64, 192, generator=g).to(DEVICE, DT)
     c_kv, k_pe = torch.randn(tokens, 576, generator=g).to(DEVICE, DT).split([512, 64], dim=-1)
     cache = torch.randn(64, 16, 576, generator=g).to(DEVICE, DT)
-    expected = cache.clone()
-    torch_ref.write_cache(expected, torch.cat([c_kv, rotary.apply(k_pe.unsqueeze(1), cos, sin).squeeze(1)], -1), slots)
+    eager, ideal = cache.clone(), cache.clone()
+    for target, rope in ((eager, rotary.apply(k_pe.unsqueeze(1), cos, sin)),
+                         (ideal, rotary.apply(k_pe.float().unsqueeze(1), cos.float(), sin.float()).to(DT))):
+        torch_ref.write_cache(target, torch.cat([c_kv, rope.squeeze(1)], -1), slots)
     q_out = rope_write_mla_kv_cache(q[..., 128:], c_kv, k_pe, cache, cos, sin, slots)
-    assert_within_one_ulp(q_out, rotary.apply(q[..., 128:], cos, sin))
-    assert_within_one_ulp(cache, expected)
-    assert torch.equal(cache[..., :512], expected[..., :512])  # the latent part is copied, not rotated
+    q_ideal = rotary.apply(q[..., 128:].float(), cos.float(), sin.float()).to(DT)
+    assert_as_accurate(q_out, rotary.apply(q[..., 128:], cos, sin), q_ideal)
+    assert_as_accurate(cache, eager, ideal)
+    assert torch.equal(cache[..., :512], eager[..., :512])  # the latent part is copied, not rotated
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 1000])
