@@ -8,13 +8,14 @@ LLMEngine a test builds; tests add the KV sentinel and bound their steps:
 
 Checked after every schedule(): running <= max_num_seqs, scheduled tokens <= the token budget,
 each sequence scheduled at most once and running, a step samples exactly when it reaches the
-sequence's last known token, the KV slots the step writes are inside the sequence's blocks,
+sequence's last known token, the KV slots the step writes (its draft chain's included) are
+inside the sequence's blocks,
 no block table wider than the runner's block-table rows (max_blocks_per_seq). Checked after
 every schedule(), update() and abort: free + owned == total blocks, no block owned twice or both
 owned and free, waiting and finished sequences own nothing (the passes over the free list run
 every 16th step on pools above 4096 blocks). With the sentinel, the plain free blocks of every
-KV pool are filled with NaN before each model step and must still be NaN after it, and the
-cached-free blocks (prefix cache) must keep their bytes: nothing may write a block no running
+KV pool are filled with a finite sentinel before each model step and must keep its bytes after
+it, and the cached-free blocks (prefix cache) must keep theirs: nothing may write a block no running
 sequence owns (only the graphs' scratch block, which the block manager never
 hands out, absorbs padded rows). Tensor-parallel engines (-tp N) keep their pools and block-table
 rows in the worker processes: there the scheduler and pool-accounting checks run, the sentinel
@@ -76,6 +77,10 @@ def _block_dim(pool: torch.Tensor, num_blocks: int) -> int:
     return dims[0]
 
 
+# Exact in every KV dtype (fp32, bf16, fp16, fp8 e4m3fn/fnuz) and large enough that a row which
+# attends over a free block gets visibly wrong numbers.
+FREE_BLOCK_SENTINEL = 240.0
+
 _installed: "weakref.WeakKeyDictionary[LLMEngine, Checks]" = weakref.WeakKeyDictionary()
 
 
@@ -122,7 +127,9 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
                 assert item.start == seq.num_tokens and item.shift_bound == seq.in_flight[0][1]
                 end += item.shift_bound
             assert not item.spec_token_ids or item.samples, f"{seq}: drafts verified in a prompt chunk"
-            writes_to = end + len(item.spec_token_ids)
+            # a sampling step's draft chain writes k - 1 slots past the last token it verifies
+            chain = sched.num_spec_tokens - 1 if item.samples and sched.num_spec_tokens else 0
+            writes_to = end + len(item.spec_token_ids) + chain
             assert len(seq.block_table) * bm.block_size >= writes_to, (
                 f"{seq}: writes KV up to slot {writes_to} with {len(seq.block_table)} blocks")
             assert not in_process or len(seq.block_table) <= runner.max_blocks_per_seq, (
@@ -149,19 +156,20 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
         runner, bm = engine.runner, engine.block_manager
         if not checks.sentinel:
             return launch(runner, batch)
-        free = torch.tensor(list(bm.free_blocks), dtype=torch.long)
-        cached = torch.tensor(list(bm.evictable), dtype=torch.long)  # hold prefix-cache KV: kept, compared
+        # Every block nobody owns is compared bytewise: the plain free ones are first filled with
+        # a finite sentinel, not NaN, because a stray row that reads a NaN block (a padded graph
+        # row on a stale block table) writes NaN back, which a NaN check cannot tell apart.
+        free = torch.tensor(list(bm.free_blocks) + list(bm.evictable), dtype=torch.long)
+        num_plain = len(bm.free_blocks)
         pools = [(p, _block_dim(p, bm.num_blocks)) for p in runner.kv_caches.values()]
         kept = []
         for pool, dim in pools:
-            pool.index_fill_(dim, free.to(pool.device), float("nan"))
-            kept.append(pool.index_select(dim, cached.to(pool.device)))
+            pool.index_fill_(dim, free[:num_plain].to(pool.device), FREE_BLOCK_SENTINEL)
+            kept.append(pool.index_select(dim, free.to(pool.device)))
         launch(runner, batch)
         for name, (pool, dim), before in zip(runner.kv_caches, pools, kept):
-            untouched = pool.index_select(dim, free.to(pool.device)).isnan().movedim(dim, 0).flatten(1).all(1)
-            written = free[~untouched.cpu()].tolist()
-            same = pool.index_select(dim, cached.to(pool.device)).view(torch.uint8) == before.view(torch.uint8)
-            written += cached[~same.movedim(dim, 0).flatten(1).all(1).cpu()].tolist()
+            same = pool.index_select(dim, free.to(pool.device)).view(torch.uint8) == before.view(torch.uint8)
+            written = free[~same.movedim(dim, 0).flatten(1).all(1).cpu()].tolist()
             assert not written, f"the step wrote {name} blocks {written[:8]} that no running sequence owns"
 
     def checked_abort(request_id):

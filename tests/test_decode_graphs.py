@@ -69,7 +69,7 @@ def test_a_batch_shrinking_within_its_bucket_writes_only_owned_blocks(make_llama
     """Four sequences decode in bucket 4, then one finishes and three run in bucket 4: the freed
     row must point at the scratch block again, not at the blocks its sequence gave back (the draft
     chain writes through the padded rows' block tables). Every step, the free blocks of both pools
-    must stay untouched (NaN sentinel), and the tokens equal the eager engine's."""
+    must keep their bytes (sentinel), and the tokens equal the eager engine's."""
     target = make_llama(num_hidden_layers=8, seed=1)
     kwargs = dict(max_model_len=96, method="eagle3", draft_model=make_eagle3_llama(target), num_speculative_tokens=3)
     prompts = PROMPTS + [PROMPTS[0][:2]]

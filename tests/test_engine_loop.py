@@ -3,7 +3,10 @@ and the Prometheus speculation metrics (fed with synthetic counts until speculat
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import defaultdict
+from dataclasses import FrozenInstanceError
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -26,7 +29,7 @@ def request(request_id: str, prompt_ids: list[int], params: SamplingParams = GRE
 
 
 async def started(engine) -> EngineLoop:
-    loop = EngineLoop(engine, ServerMetrics(engine.scheduler.spec_stats.num_speculative_tokens), stats_interval=0)
+    loop = EngineLoop(engine, ServerMetrics(engine.stats().num_speculative_tokens), stats_interval=0)
     loop.start(asyncio.get_running_loop())
     while not loop.ready and loop.warmup_error is None:
         await asyncio.sleep(0.01)
@@ -203,3 +206,34 @@ def test_speculation_metrics_from_spec_stats():
     assert sample(metrics, "spec_decode_per_position_acceptance", {"position": "0"}) == pytest.approx(7 / 8)
     assert sample(metrics, "spec_decode_mean_acceptance_length") == pytest.approx(1 + 19 / 8)
     assert sample(metrics, "kv_cache_usage_perc") == pytest.approx(6 / 16)
+
+
+def test_engine_stats_follow_a_request(engine):
+    """LLMEngine.stats(), what the server reads off the engine: a request is waiting, then
+    running and holding blocks, then gone with every block back; a snapshot never changes."""
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks == 16
+    engine.add_request([5, 6, 7], GREEDY, request_id="stats")
+    queued = engine.stats()
+    assert (queued.num_waiting, queued.num_running) == (1, 0) and engine.is_waiting("stats")
+    engine.step()
+    running = engine.stats()
+    assert (running.num_waiting, running.num_running) == (0, 1) and not engine.is_waiting("stats")
+    assert running.num_free_blocks < running.num_blocks and engine.has_request("stats")
+    while engine.has_unfinished_requests():
+        engine.step()
+    done = engine.stats()
+    assert not engine.has_request("stats") and done.num_free_blocks == done.num_blocks and done.num_running == 0
+    assert queued.num_waiting == 1
+    with pytest.raises(FrozenInstanceError):
+        done.num_running = 1  # type: ignore[misc]
+    assert engine.vocab_size == 128 and engine.failure is None
+
+
+def test_the_server_reads_only_public_engine_api():
+    """The server code reaches the engine through LLMEngine's public methods and properties, never
+    its scheduler, block manager, runner or request table (which the engine may change freely)."""
+    entrypoints = Path(__file__).parents[1] / "atom_like" / "entrypoints"
+    internal = re.compile(r"engine\.(scheduler|block_manager|runner|requests|_\w+)\b")
+    found = [f"{path.name}: {m.group(0)}" for path in sorted(entrypoints.glob("*.py"))
+             for m in internal.finditer(path.read_text())]
+    assert not found, found

@@ -77,6 +77,17 @@ def test_keys_chain_the_prefix_and_cover_the_next_token_with_a_draft(lookahead):
     assert hits(list(range(10, 14)) + [0, 0, 0, 0, 20]) == 4 - 4 * lookahead  # block 1 differs
 
 
+def test_a_block_is_found_only_after_its_own_prefix():
+    """y and x share their second block's tokens, not their first: z, which starts like x, must
+    take x's second block, not y's (its KV was computed after other tokens). The lookup stops at
+    the first miss, so only a key that names the whole prefix tells the two apart."""
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    shared = [40, 41, 42, 43]
+    computed(bm, [1, 2, 3, 4] + shared + [9], "y")
+    x = computed(bm, [5, 6, 7, 8] + shared + [9], "x")
+    assert bm.cached_prefix(Sequence("z", [5, 6, 7, 8] + shared + [10], SamplingParams())) == x.block_table[:2]
+
+
 def test_lru_eviction_only_when_the_pool_needs_it():
     bm = BlockManager(6, 4, enable_prefix_caching=True)
     a = computed(bm, list(range(13)))  # 4 blocks, 3 cached

@@ -16,7 +16,7 @@ from atom_like.engine.block_manager import BlockManager
 from atom_like.engine.detokenizer import IncrementalDetokenizer
 from atom_like.engine.model_runner import ProposerFactory
 from atom_like.engine.scheduler import ScheduledBatch, Scheduler
-from atom_like.engine.sequence import Sequence
+from atom_like.engine.sequence import Sequence, SequenceStatus
 from atom_like.engine.step_inputs import StepBatch
 from atom_like.engine.tp_executor import StepExecutor, make_executor
 from atom_like.loader.weights import check_checkpoint_files
@@ -28,6 +28,25 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters, what a server exports (cumulative counts grow for the
+    engine's lifetime; subtract two snapshots for an interval)."""
+    num_running: int  # sequences in the running batch
+    num_waiting: int  # queued in the scheduler, preempted ones included
+    max_num_seqs: int
+    num_free_blocks: int  # KV blocks, cached-free (prefix cache) ones included
+    num_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int  # tokens of admitted requests (0 while prefix caching is off)
+    prefix_cache_hits: int  # of those, tokens found in the prefix cache
+    num_speculative_tokens: int  # k (0 without a draft)
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_histogram: tuple[int, ...]  # drafts with exactly n accepted, n = 0..k
 
 
 @dataclass
@@ -145,10 +164,41 @@ class LLMEngine:
         # a step in flight that holds only finished requests is collected (and dropped) by the next step()
         return self.scheduler.has_unfinished()
 
+    def has_request(self, request_id: str) -> bool:
+        """`request_id` was added and has not finished (nor been aborted)."""
+        return request_id in self.requests
+
+    def is_waiting(self, request_id: str) -> bool:
+        """`request_id` is queued (not yet running, or preempted): no step is computing it."""
+        request = self.requests.get(request_id)
+        return request is not None and request.seq.status is SequenceStatus.WAITING and not request.seq.in_flight
+
+    # ------------------------------------------------------------------ introspection
+
     @property
     def spec_stats(self) -> SpecStats:
         """Speculation counters (all zero without a draft)."""
         return self.scheduler.spec_stats
+
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary size: token ids are in [0, vocab_size)."""
+        return self.runner.vocab_size
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel rank died); None while healthy."""
+        return self.runner.failure
+
+    def stats(self) -> EngineStats:
+        sched, blocks, spec = self.scheduler, self.block_manager, self.scheduler.spec_stats
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), max_num_seqs=sched.max_num_seqs,
+            num_free_blocks=blocks.num_free_blocks, num_blocks=blocks.num_blocks, num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=blocks.num_query_tokens, prefix_cache_hits=blocks.num_hit_tokens,
+            num_speculative_tokens=spec.num_speculative_tokens, num_drafts=spec.num_drafts,
+            num_draft_tokens=spec.num_draft_tokens, num_accepted_tokens=spec.num_accepted_tokens,
+            accepted_histogram=tuple(spec.accepted_histogram))
 
     # ------------------------------------------------------------------ stepping
 

@@ -28,7 +28,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from atom_like.engine.sequence import SequenceStatus
 from atom_like.entrypoints.metrics import EngineState, ServerMetrics, StatsLogger
 from atom_like.sampling_params import RequestOutput, SamplingParams
 
@@ -201,7 +200,7 @@ class EngineLoop:
         try:
             for r in command.requests:
                 self.engine.validate(r.prompt_ids, r.params)
-                if r.request_id in self._live or r.request_id in self.engine.requests:
+                if r.request_id in self._live or self.engine.has_request(r.request_id):
                     raise ValueError(f"request id {r.request_id!r} is already in use")
         except ValueError as exc:
             return Rejected(str(exc))
@@ -213,9 +212,8 @@ class EngineLoop:
     def _feed(self) -> None:
         """Hand pending requests to the engine, one per submit in turn, while the scheduler could
         start more sequences in its next step than it has waiting."""
-        scheduler = self.engine.scheduler
         deliveries: list[tuple[asyncio.Queue, SinkItem]] = []
-        while self._pending and len(scheduler.waiting) < max(1, scheduler.max_num_seqs - len(scheduler.running)):
+        while self._pending and self._engine_has_room():
             pending = self._pending.popleft()
             r = pending.requests.popleft()
             if pending.requests:
@@ -228,6 +226,10 @@ class EngineLoop:
                 deliveries += self._fail([r.request_id] + [x.request_id for x in pending.requests],
                                          f"the engine could not queue the request ({type(exc).__name__}: {exc})")
         self._deliver(deliveries)
+
+    def _engine_has_room(self) -> bool:
+        s = self.engine.stats()
+        return s.num_waiting < max(1, s.max_num_seqs - s.num_running)
 
     def _abort(self, request_ids: list[str]) -> None:
         now = time.monotonic()
@@ -284,7 +286,7 @@ class EngineLoop:
         waiting request was not in the batch, so its state is intact). When no request was
         running, the fault is not tied to a batch and would recur on every step: fail them all."""
         touched = [request_id for request_id, live in self._live.items()
-                   if live.in_engine and not self._is_waiting(request_id)]
+                   if live.in_engine and not self.engine.is_waiting(request_id)]
         self._deliver(self._fail(touched or list(self._live), message))
 
     def _fail(self, request_ids: list[str], message: str) -> list[tuple[asyncio.Queue, SinkItem]]:
@@ -294,10 +296,6 @@ class EngineLoop:
             self._finished(live, "error", now)
             deliveries.append((live.sink, Failed(message)))
         return deliveries
-
-    def _is_waiting(self, request_id: str) -> bool:
-        request = self.engine.requests.get(request_id)
-        return request is not None and request.seq.status is SequenceStatus.WAITING
 
     def _finished(self, live: _Live, reason: str, now: float) -> None:
         decode_time = now - live.first_token_time if live.first_token_time is not None else None

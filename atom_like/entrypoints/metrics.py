@@ -1,7 +1,7 @@
 """Prometheus metrics of the server, the periodic stats log line, and a reader for clients.
 
 Only the engine thread writes these (prometheus_client objects are thread-safe, so the /metrics
-handler may read them at any time). Speculation numbers come from `scheduler.spec_stats`; its
+handler may read them at any time). Engine numbers come from `LLMEngine.stats()`; its
 cumulative counts become Prometheus counters by adding what changed since the last update.
 Names follow vLLM's (`vllm:` -> `atom_like:`) so existing dashboards need only the prefix changed.
 
@@ -14,11 +14,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from spec_decode.stats import SpecCounts
+
+if TYPE_CHECKING:  # clients import this module to read /metrics back: they need no engine (nor torch)
+    from atom_like.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +53,12 @@ class EngineState:
     prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
 
     @classmethod
-    def read(cls, engine, num_pending: int = 0) -> "EngineState":
+    def read(cls, engine: LLMEngine, num_pending: int = 0) -> "EngineState":
         """`num_pending`: admitted requests the server has not handed to the engine yet (they wait too)."""
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        spec = scheduler.spec_stats
-        return cls(len(scheduler.running), len(scheduler.waiting) + num_pending, blocks.num_free_blocks, blocks.num_blocks,
-                   scheduler.num_preemptions, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                   list(spec.accepted_histogram), blocks.num_query_tokens, blocks.num_hit_tokens)
+        s = engine.stats()
+        return cls(s.num_running, s.num_waiting + num_pending, s.num_free_blocks, s.num_blocks, s.num_preemptions,
+                   s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_histogram),
+                   s.prefix_cache_queries, s.prefix_cache_hits)
 
     @property
     def prefix_cache(self) -> "PrefixCacheSnapshot":

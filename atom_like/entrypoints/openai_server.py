@@ -104,10 +104,10 @@ _RESPONSES = {
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None, public_metrics: bool = False,
               max_request_bytes: int = 4 << 20, read_timeout: float = 30.0, limits: RequestLimits = RequestLimits(),
               stats_interval: float = 10.0) -> FastAPI:
-    metrics = ServerMetrics(engine.scheduler.spec_stats.num_speculative_tokens)
+    metrics = ServerMetrics(engine.stats().num_speculative_tokens)
     engine_loop = EngineLoop(engine, metrics, stats_interval)
     tokenizers = TokenizerPool(engine.tokenizer)
-    builder = RequestBuilder(served_model_name, engine.max_model_len, engine.runner.vocab_size, limits)
+    builder = RequestBuilder(served_model_name, engine.max_model_len, engine.vocab_size, limits)
     serving = OpenAIServing(engine_loop, tokenizers, builder)
 
     @asynccontextmanager
@@ -155,8 +155,8 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     @app.get("/health", responses={503: {"description": "loading, or the warm-up forward failed"}})
     async def health():
-        if engine.runner.failure is not None:  # a tensor-parallel rank died: the engine cannot run again
-            return JSONResponse({"status": "error", "error": engine.runner.failure}, 503)
+        if engine.failure is not None:  # a tensor-parallel rank died: the engine cannot run again
+            return JSONResponse({"status": "error", "error": engine.failure}, 503)
         if engine_loop.ready:
             return {"status": "ok"}
         if engine_loop.warmup_error is not None:
