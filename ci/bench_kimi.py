@@ -340,11 +340,15 @@ def run_window(engine, forced, prompts: list[list[int]], warmup: int, window: in
 
 
 def measure_mode(engine, forced, k: int, args, rng: torch.Generator, dims: KimiDims, weights: dict,
-                 kv: tuple[float, float], bandwidth: float, record) -> None:
-    """Every concurrency at the two contexts for one engine; `record(row)` after each."""
+                 kv: tuple[float, float], bandwidth: float, record, out_of_time, skipped: list[str]) -> None:
+    """Every concurrency at the two contexts for one engine; `record(row)` after each. A
+    concurrency is skipped (named in `skipped`) once `out_of_time()`."""
     vocab = engine.runner.vocab_size
     length = REFERENCE_ACCEPTANCE.get(k, Fraction(k + 1)) if k else None
     for batch in args.concurrency:
+        if out_of_time():
+            skipped.append(f"{'off' if not k else f'k={k}'} B={batch}")
+            continue
         schedule = acceptance_schedule(length, k) if k else None
         first = [torch.randint(0, vocab, (args.input_len,), generator=rng).tolist() for _ in range(batch)]
         near = run_window(engine, forced, first, args.warmup, args.window, schedule, f"k{k}-b{batch}-a")
@@ -446,10 +450,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=25, help="timed decode steps (25: the acceptance mix repeats)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--copy-bytes", type=int, default=4 << 30)
-    p.add_argument("--deadline", type=float, default=540.0, help="seconds: no engine is built after this")
+    p.add_argument("--deadline", type=float, default=500.0,
+                   help="seconds from the start after which no engine is built and no measurement begins "
+                        "(what ran is reported; the device call's limit is 600 s)")
     p.add_argument("--device", default="auto")
     p.add_argument("--small", action="store_true", help="4 layers, B 1 and 4, 256 in / 256 out")
     p.add_argument("--tiny", action="store_true", help="tiny dims (the CPU test's): checks the script")
+    p.add_argument("--report", metavar="JSON", help="only rewrite the table and plot from a bench_kimi.json "
+                                                      "(e.g. where matplotlib is installed)")
     args = p.parse_args(argv)
     if args.small:
         args.layers = args.layers or 4
@@ -457,17 +465,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_report(result: dict, out_dir: Path) -> str:
+    text = markdown(result)
+    (out_dir / "bench_kimi.md").write_text(text)
+    plot(result, out_dir / "bench_kimi.png")
+    return text
+
+
 def main(argv: list[str] | None = None) -> dict:
     from atom_like.config import resolve_device
 
     args = parse_args(argv)
+    out_dir = Path(os.environ.get("OUT", "bench_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        result = json.loads(Path(args.report).read_text())
+        print(write_report(result, out_dir))
+        return result
     start = time.perf_counter()
     dims = TINY if args.tiny else KimiDims()
     if args.layers:
         dims = dataclasses.replace(dims, layers=args.layers)
     device = resolve_device(args.device)
-    out_dir = Path(os.environ.get("OUT", "bench_out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     copy = copy_bandwidth(device, args.copy_bytes if device.type == "cuda" else 64 << 20)
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s", flush=True)
     target, draft = write_configs(tempfile.mkdtemp(prefix="bench_kimi_"), dims)
@@ -484,6 +503,9 @@ def main(argv: list[str] | None = None) -> dict:
                             bus_gbps=BUS_GBPS, command=" ".join(sys.argv), draft_gib=0.0),
                   rows=[], builds={}, skipped=[])
 
+    def out_of_time() -> bool:
+        return time.perf_counter() - start > args.deadline
+
     def save() -> None:
         (out_dir / "bench_kimi.json").write_text(json.dumps(result, indent=1))
 
@@ -496,7 +518,7 @@ def main(argv: list[str] | None = None) -> dict:
     rng = torch.Generator().manual_seed(0)
     with tp.tp_state(args.rank, args.tp, simulated=True):
         for k in args.ks:
-            if time.perf_counter() - start > args.deadline:
+            if out_of_time():
                 result["skipped"].append("off" if not k else f"k={k}")
                 continue
             built = time.perf_counter()
@@ -510,8 +532,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"engine k={k} built in {time.perf_counter() - built:.1f} s: weights {weights['all'] / 2**30:.2f} GiB",
                   flush=True)
             engine.generate([[1, 2, 3]], None, use_tqdm=False)  # warm-up: first prefill, sampling
-            measure_mode(engine, forced, k, args, rng, dims, weights, kv, copy["gbps"], record)
-            if not k:
+            measure_mode(engine, forced, k, args, rng, dims, weights, kv, copy["gbps"], record, out_of_time,
+                         result["skipped"])
+            if not k and any(r["k"] == 0 for r in result["rows"]):
                 near = max((r for r in result["rows"] if r["k"] == 0), key=lambda r: r["batch"])["windows"][0]
                 result["prefill"] = dict(batch=max(args.concurrency), tokens=near["prefill_tokens"],
                                          seconds=near["prefill_s"], tokens_per_s=near["prefill_tokens"] / near["prefill_s"])
@@ -519,12 +542,10 @@ def main(argv: list[str] | None = None) -> dict:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            write_report(result, out_dir)  # what ran so far, should a later engine overrun the call
     result["seconds"] = time.perf_counter() - start
     save()
-    text = markdown(result)
-    (out_dir / "bench_kimi.md").write_text(text)
-    plot(result, out_dir / "bench_kimi.png")
-    print(text)
+    print(write_report(result, out_dir))
     return result
 
 
