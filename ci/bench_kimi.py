@@ -126,8 +126,8 @@ def target_config(d: KimiDims) -> dict:
         "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
         "routed_scaling_factor": 2.827, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
         "num_nextn_predict_layers": 0, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
-        "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
-                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         "max_position_embeddings": d.max_position, "attention_bias": False, "tie_word_embeddings": False,
         "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": 0,
     }
@@ -146,8 +146,9 @@ def draft_config(d: KimiDims) -> dict:
             "intermediate_size": d.draft_intermediate, "num_attention_heads": d.draft_heads,
             "num_key_value_heads": d.draft_heads, "head_dim": d.draft_head_dim, "num_hidden_layers": 1,
             "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
-            "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
-                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 64.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 1.0},
             "max_position_embeddings": d.max_position, "vocab_size": d.vocab, "draft_vocab_size": d.vocab,
             "target_hidden_size": d.hidden, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": d.aux_layer_ids, "use_aux_hidden_state": True}}
@@ -378,7 +379,8 @@ def markdown(result: dict) -> str:
         f"({meta['layers']} layers; torch {meta['torch']}, {meta['date']}); copy bandwidth "
         f"**{meta['copy']['gbps']:.0f} GB/s**; weights on this rank {meta['weights_gib']:.1f} GiB "
         f"(draft {meta['draft_gib']:.2f} GiB); {meta['input_len']} in / {meta['output_len']} out; "
-        f"decode windows of {meta['window']} steps at contexts ~{meta['input_len']} and ~{meta['input_len'] + meta['output_len']}, "
+        f"decode windows of {meta['window']} steps at contexts ~{meta['input_len']} and "
+        f"~{meta['input_len'] + meta['output_len']}, "
         "averaged. Collectives are NOT in the step times (simulated rank): on paper beside them.",
         "",
         "| mode | B | accept. len | step ms (1k / 2k) | tok/s/user | total tok/s | vs off | roofline ms | % roofline "
@@ -493,9 +495,11 @@ def main(argv: list[str] | None = None) -> dict:
     k_max = max(args.ks)
     engine_args = dict(load_format="dummy", kv_cache_dtype="fp8", device=args.device,
                        max_num_seqs=max(args.concurrency), max_num_batched_tokens=8192,
-                       max_model_len=args.input_len + args.output_len + (args.warmup + args.window + 2) * (k_max + 1) + 16)
+                       max_model_len=(args.input_len + args.output_len
+                                      + (args.warmup + args.window + 2) * (k_max + 1) + 16))
     blocks_per_seq = -(-engine_args["max_model_len"] // 16) + 1
-    engine_args["num_kv_blocks"] = 2 * max(args.concurrency) * blocks_per_seq + 64  # the second windows' prefix hits stay
+    # twice what the sequences hold at once, so that the second windows still find their prefixes cached
+    engine_args["num_kv_blocks"] = 2 * max(args.concurrency) * blocks_per_seq + 64
     result = dict(meta=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                             torch=torch.__version__, date=time.strftime("%Y-%m-%d"), rank=args.rank, tp=args.tp,
                             layers=dims.layers, dims=dataclasses.asdict(dims), copy=copy, input_len=args.input_len,
@@ -511,8 +515,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     def record(row: dict) -> None:
         result["rows"].append(row)
-        print(f"{row['mode']:>5} B={row['batch']:<3} step {row['step_ms']:.2f} ms  {row['tokens_per_s_user']:.1f} tok/s/user  "
-              f"roofline {row['roofline_ms']:.2f} ms ({100 * row['roofline_fraction']:.0f}%)", flush=True)
+        print(f"{row['mode']:>5} B={row['batch']:<3} step {row['step_ms']:.2f} ms  "
+              f"{row['tokens_per_s_user']:.1f} tok/s/user  roofline {row['roofline_ms']:.2f} ms "
+              f"({100 * row['roofline_fraction']:.0f}%)", flush=True)
         save()
 
     rng = torch.Generator().manual_seed(0)
@@ -529,19 +534,21 @@ def main(argv: list[str] | None = None) -> dict:
             result["meta"]["weights_gib"] = weights["all"] / 2**30  # the target's
             if k:
                 result["meta"]["draft_gib"] = weights["draft_all"] / 2**30
-            print(f"engine k={k} built in {time.perf_counter() - built:.1f} s: weights {weights['all'] / 2**30:.2f} GiB",
-                  flush=True)
+            print(f"engine k={k} built in {time.perf_counter() - built:.1f} s: weights "
+                  f"{weights['all'] / 2**30:.2f} GiB", flush=True)
             engine.generate([[1, 2, 3]], None, use_tqdm=False)  # warm-up: first prefill, sampling
             measure_mode(engine, forced, k, args, rng, dims, weights, kv, copy["gbps"], record, out_of_time,
                          result["skipped"])
             if not k and any(r["k"] == 0 for r in result["rows"]):
                 near = max((r for r in result["rows"] if r["k"] == 0), key=lambda r: r["batch"])["windows"][0]
                 result["prefill"] = dict(batch=max(args.concurrency), tokens=near["prefill_tokens"],
-                                         seconds=near["prefill_s"], tokens_per_s=near["prefill_tokens"] / near["prefill_s"])
+                                         seconds=near["prefill_s"],
+                                         tokens_per_s=near["prefill_tokens"] / near["prefill_s"])
             engine = forced = runner = None
             gc.collect()
-            if device.type == "cuda":
+            if device.type == "cuda":  # the next engine needs this one's memory: say if any of it stayed
                 torch.cuda.empty_cache()
+                result["builds"][str(k)]["allocated_after_release_gib"] = torch.cuda.memory_allocated(device) / 2**30
             write_report(result, out_dir)  # what ran so far, should a later engine overrun the call
     result["seconds"] = time.perf_counter() - start
     save()

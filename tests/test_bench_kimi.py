@@ -119,7 +119,8 @@ def ranks(configs, tmp_path_factory):
     folder = tmp_path_factory.mktemp("kimi_ckpt")
     (folder / "config.json").write_text(Path(target, "config.json").read_text())
     full = LLMEngine(str(target), load_format="dummy", **COMMON)
-    save_file({n: p.detach().clone() for n, p in full.runner.model.named_parameters()}, str(folder / "model.safetensors"))
+    weights = {n: p.detach().clone() for n, p in full.runner.model.named_parameters()}
+    save_file(weights, str(folder / "model.safetensors"))
     engines = []
     for r in range(N):
         with tp.tp_state(r, N, simulated=True):
@@ -191,8 +192,11 @@ def test_the_collectives_on_paper_are_the_engines(configs, monkeypatch, k):
         for _ in range(2):  # prefill, then a first decode step (the drafts' first proposals)
             engine.step()
         for op in seen:
-            real = getattr(tp, op)
-            monkeypatch.setattr(tp, op, lambda t, _real=real, _op=op, **kw: seen[_op].append(t.numel() * 2) or _real(t, **kw))
+            def counted(t, _real=getattr(tp, op), _op=op, **kw):
+                seen[_op].append(t.numel() * 2)
+                return _real(t, **kw)
+
+            monkeypatch.setattr(tp, op, counted)
         engine.step()
     paper = collectives_per_step(TINY, 2, k, N)
     assert len(seen["all_reduce"]) == paper["all_reduces"] and len(seen["all_gather"]) == paper["all_gathers"]

@@ -19,11 +19,16 @@ in parameter order: on a GPU, 75 GB take about a second.
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 from torch import nn
 
 from atom_like.loader.weights import process_after_loading
 from model_ops.layernorm import RMSNorm
+
+logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
 STD = 0.02
@@ -34,6 +39,7 @@ E8M0_BYTES = (119, 122)  # [low, high): scales 2^-8 .. 2^-6
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Fill every parameter of `model` (see the module docstring), then let modules rearrange
     them for their kernels as after a real load."""
+    start, filled = time.perf_counter(), 0
     generator: dict[torch.device, torch.Generator] = {}
     for path, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
@@ -41,6 +47,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             if data.device not in generator:
                 generator[data.device] = torch.Generator(device=data.device).manual_seed(seed)
             g = generator[data.device]
+            filled += data.numel() * data.element_size()
             if data.dtype == torch.uint8:  # packed MXFP4: E8M0 scales or E2M1 code pairs
                 low, high = E8M0_BYTES if name.endswith("scale") else (0, 256)
                 data.random_(low, high, generator=g)
@@ -55,3 +62,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             else:
                 data.normal_(0.0, STD, generator=g)
     process_after_loading(model)
+    for device in generator:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    logger.info("--load-format dummy: %s filled with seeded random weights, %.2f GiB in %.2f s",
+                type(model).__name__, filled / 2**30, time.perf_counter() - start)
