@@ -425,6 +425,8 @@ def plot(result: dict, path: Path) -> bool:
         ax.plot([r["batch"] for r in rows], [r["tokens_per_s_user"] for r in rows], marker="o",
                 label="no speculation" if mode == "off" else f"EAGLE3 {mode}, acc. {rows[0]['tokens_per_step']:.2f}")
     ax.set_xscale("log", base=2)
+    batches = sorted({r["batch"] for r in result["rows"]})
+    ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("concurrency (requests)")
     ax.set_ylabel("tokens/s per user (decode)")
     meta = result["meta"]
