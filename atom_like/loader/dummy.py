@@ -41,7 +41,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     them for their kernels as after a real load."""
     start, filled = time.perf_counter(), 0
     generator: dict[torch.device, torch.Generator] = {}
-    for path, module in model.named_modules():
+    for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             data = param.data
             if data.device not in generator:
