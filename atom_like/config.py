@@ -19,6 +19,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from atom_like.loader.dummy import LOAD_FORMATS
 from atom_like.loader.quark import ACTIVATION_MODES
 from atom_like.models.config_aliases import register_config_aliases
 from kernels_rocm.aiter_ops import detect_platform
@@ -35,6 +36,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3 (vLLM's and ATOM
 class EngineArgs:
     model: str | None = field(default=None, metadata={"help": "Checkpoint folder (HF layout: config.json + *.safetensors)."})
     tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: --model)."})
+    load_format: str = field(default="auto", metadata={"help": "auto: read the checkpoint's *.safetensors | dummy: build the model (and the draft) from config.json alone, every weight seeded random (benchmarks at a real model's size without its files; the output is meaningless)."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom code in the checkpoint's config."})
     dtype: str = field(default="auto", metadata={"help": "auto | bfloat16 | float16 | float32 (auto: float32 on CPU, the checkpoint's half type on GPU)."})
     device: str = field(default="auto", metadata={"help": "auto | cuda | cpu (ROCm GPUs are 'cuda' in torch)."})
@@ -67,6 +69,8 @@ class EngineArgs:
             raise ValueError(f"--dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"--device must be auto, cuda or cpu; got {self.device!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.mxfp4_activations not in ACTIVATION_MODES:

@@ -9,6 +9,13 @@ single-process code paths, and the CPU exactness tests built on them, do not cha
 
 Collectives are torch.distributed's on the group given (NCCL on CUDA, RCCL on ROCm, gloo on
 CPU); they run on the current stream, so decode graphs capture them like any kernel.
+
+Benchmark only: a `simulated` state is rank r of N with no peers (ci/bench_kimi.py runs one
+TP8 rank of Kimi-K2.5 on one GPU). Its collectives move nothing and cost nothing: all_reduce
+returns this rank's partial sum as it is, all_gather returns a tensor of the gathered shape
+holding this rank's part N times over. Shapes, kernels and bytes read are those of the real
+rank; values are not those of any real model, and the collectives' time is left out (the bench
+estimates it on paper). Never set by the engine; only `tp_state(..., simulated=True)` sets it.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ class TPState:
     size: int = 1
     group: dist.ProcessGroup | None = None  # None with size > 1: layers can be built, not run (pre-spawn checks)
     device: torch.device = torch.device("cpu")  # where collectives' scratch tensors live
+    simulated: bool = False  # benchmark only: rank `rank` of `size` without peers, collectives skipped (see above)
 
 
 _state = TPState()
@@ -54,15 +62,19 @@ def set_state(new: TPState) -> None:
     global _state
     if not 0 <= new.rank < new.size:
         raise ValueError(f"tensor-parallel rank {new.rank} outside [0, {new.size})")
+    if new.simulated and new.group is not None:
+        raise ValueError("a simulated tensor-parallel rank has no process group: its collectives are skipped")
     _state = new
 
 
 @contextlib.contextmanager
-def tp_state(rank_: int, size_: int, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+def tp_state(rank_: int, size_: int, group: dist.ProcessGroup | None = None,
+             simulated: bool = False) -> Iterator[None]:
     """Temporarily act as rank `rank_` of `size_` (building a model skeleton on the meta device
-    to check a -tp before any process starts; tests of the slicing)."""
+    to check a -tp before any process starts; tests of the slicing). `simulated` (benchmarks
+    only): the model built and run inside is rank `rank_` alone, its collectives skipped."""
     old = _state
-    set_state(TPState(rank_, size_, group, old.device))
+    set_state(TPState(rank_, size_, group, old.device, simulated))
     try:
         yield
     finally:
@@ -72,8 +84,8 @@ def tp_state(rank_: int, size_: int, group: dist.ProcessGroup | None = None) -> 
 # ----------------------------------------------------------------------------- collectives
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place; the identity at size 1."""
-    if _state.size == 1:
+    """Sum over ranks, in place; the identity at size 1 (and on a simulated rank: its partial sum)."""
+    if _state.size == 1 or _state.simulated:
         return x
     dist.all_reduce(x, group=_state.group)
     return x
@@ -83,6 +95,8 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`, rank 0 first; the identity at size 1."""
     if _state.size == 1:
         return x
+    if _state.simulated:  # the gathered shape, this rank's part in every rank's place
+        return torch.cat([x] * _state.size, dim=dim)
     out = x.new_empty((_state.size * x.shape[0], *x.shape[1:]))  # rank blocks along dim 0 (gloo needs this form)
     dist.all_gather_into_tensor(out, x.contiguous(), group=_state.group)
     d = dim % x.dim()
@@ -91,7 +105,7 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def agree_min(value: int) -> int:
     """The smallest `value` over ranks (e.g. KV blocks each rank's memory allows)."""
-    if _state.size == 1:
+    if _state.size == 1 or _state.simulated:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=_state.device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_state.group)

@@ -66,7 +66,8 @@ class LLMEngine:
         self.hf_config = load_model_config(self.args.model, self.args.trust_remote_code)
         model_class = target_model_class(self.hf_config)
         require_stated_fields(self.hf_config, self.args.model, model_class.stated_config_fields, model_class.__name__)
-        check_checkpoint_files(self.args.model)
+        if self.args.load_format != "dummy":  # dummy: config.json alone, no weight file read
+            check_checkpoint_files(self.args.model)
         self.device = resolve_device(self.args.device)
         self.dtype = resolve_dtype(self.args.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(self.args.max_model_len, self.hf_config)

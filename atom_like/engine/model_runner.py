@@ -32,6 +32,7 @@ from atom_like.engine.sampler import DeviceLogprobs, Sampled, Sampler, token_log
 from atom_like.engine.scheduler import SeqStepResult
 from atom_like.engine.speculative import build_eagle3_proposer
 from atom_like.engine.step_inputs import HostStep, StepBatch, StepInputs, batch_host_step, host_step, upload
+from atom_like.loader.dummy import init_dummy_weights
 from atom_like.loader.kv_scales import read_kv_scales
 from atom_like.loader.quark import checkpoint_quantizer
 from atom_like.loader.weights import iter_checkpoint, load_weights
@@ -91,7 +92,10 @@ class ModelRunner:
         self.model: CausalLM = build_model(target_model_class(hf_config), text_config(hf_config), dtype, device,
                                            quantize=quantize)
         weight_map = self.model.weight_map()
-        load_weights(self.model, iter_checkpoint(args.model), weight_map)
+        if args.load_format == "dummy":
+            init_dummy_weights(self.model, args.seed)
+        else:
+            load_weights(self.model, iter_checkpoint(args.model), weight_map)
         self.vocab_size = self.model.config.vocab_size
 
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
@@ -104,7 +108,7 @@ class ModelRunner:
 
         layers = self.model.attention_layers()
         kv_scales = (read_kv_scales(args.model, self.model, layers, weight_map, "target")
-                     if self.kv_cache_dtype in FP8_KV_DTYPES else None)
+                     if self.kv_cache_dtype in FP8_KV_DTYPES and args.load_format != "dummy" else None)
         self.builders: list[KVCacheBuilder] = [
             PagedKVCacheBuilder(layers, args.block_size, self.kv_cache_dtype, device, role="target",
                                 backend=args.attention_backend, kv_scales=kv_scales)

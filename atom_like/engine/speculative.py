@@ -7,6 +7,7 @@ import logging
 import torch
 
 from atom_like.config import EngineArgs, load_model_config, require_stated_fields
+from atom_like.loader.dummy import init_dummy_weights
 from atom_like.loader.kv_scales import read_kv_scales
 from atom_like.loader.weights import checkpoint_keys, iter_checkpoint, load_weights
 from atom_like.models.base import CausalLM, Eagle3Target
@@ -36,11 +37,16 @@ def build_eagle3_proposer(args: EngineArgs, target: CausalLM, dtype: torch.dtype
         raise ValueError(f"draft target_hidden_size {eagle.target_hidden_size} != target hidden_size {tcfg.hidden_size}")
     if config.vocab_size != tcfg.vocab_size:
         raise ValueError(f"draft vocab_size {config.vocab_size} != target vocab_size {tcfg.vocab_size}")
-    if draft.d2t is not None and "d2t" not in checkpoint_keys(args.draft_model):
+    dummy = args.load_format == "dummy"  # every draft weight seeded random, its d2t the identity
+    if not dummy and draft.d2t is not None and "d2t" not in checkpoint_keys(args.draft_model):
         raise ValueError(f"draft_vocab_size {eagle.draft_vocab_size} differs from the vocabulary {config.vocab_size} "
                          "but the draft checkpoint has no d2t mapping")
     weight_map = draft.weight_map()
-    missing = load_weights(draft, iter_checkpoint(args.draft_model, "Loading draft"), weight_map)
+    if dummy:
+        init_dummy_weights(draft, args.seed)
+        missing = []
+    else:
+        missing = load_weights(draft, iter_checkpoint(args.draft_model, "Loading draft"), weight_map)
     if missing:
         logger.info("draft checkpoint lacks %s: sharing the target's", missing)
         draft.share_target_weights(missing, *target.get_embed_and_head())
@@ -55,6 +61,6 @@ def build_eagle3_proposer(args: EngineArgs, target: CausalLM, dtype: torch.dtype
                 args.draft_model, args.num_speculative_tokens, ids, eagle.fc_norm, eagle.norm_output,
                 eagle.draft_vocab_size)
     kv_scales = (read_kv_scales(args.draft_model, draft, draft.attention_layers(), weight_map, "draft")
-                 if kv_cache_dtype in FP8_KV_DTYPES else None)
+                 if kv_cache_dtype in FP8_KV_DTYPES and not dummy else None)
     return Eagle3Proposer(draft, aux, args.num_speculative_tokens, args.block_size, dtype, device,
                           args.attention_backend, kv_cache_dtype, kv_scales)

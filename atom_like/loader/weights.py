@@ -256,10 +256,15 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, CheckpointTensor
     missing = sorted(f"{n}" + (f" (shard {s})" if s is not None else "") for n, s in absent if n not in weight_map.optional)
     if missing:
         raise ValueError(f"{model_name} needs {len(missing)} tensor(s) the checkpoint lacks: {missing[:8]}")
+    process_after_loading(model)
+    return optional
+
+
+def process_after_loading(model: nn.Module) -> None:
+    """Once every parameter holds its value: let modules rearrange theirs for their kernels."""
     for module in model.modules():
         if isinstance(module, ProcessedAfterLoading):
             module.process_weights_after_loading()
-    return optional
 
 
 def rename(ckpt_name: str, weight_map: WeightMap) -> str:
