@@ -105,6 +105,7 @@ class Verified:
     the token it emits, then -1 padding; `num_accepted[s]` counts the accepted drafts."""
     token_ids: torch.Tensor  # [S, K + 1] int64
     num_accepted: torch.Tensor  # [S] int64
+    row_index: torch.Tensor  # [S, K + 1]: the logits row that scored token_ids[s, j] (clamped to s's last row)
 
     def lists(self) -> tuple[list[int], list[list[int]]]:
         """(accepted counts, emitted tokens) on the host: a device read, for callers that want it now."""
@@ -172,7 +173,7 @@ def verify(logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor,
     cols = torch.arange(width + 1, device=device)[None, :]
     padded = torch.cat([drafts, drafts.new_full((num_seqs, 1), -1)], dim=1)
     tokens = torch.where(cols < num_accepted[:, None], padded, torch.where(cols == num_accepted[:, None], last, -1))
-    return Verified(tokens, num_accepted)
+    return Verified(tokens, num_accepted, row_index)
 
 
 def _rejection_sample(logits: torch.Tensor, num_drafts: list[int], row_start: np.ndarray, draft_ids: torch.Tensor,

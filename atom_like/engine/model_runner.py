@@ -69,6 +69,7 @@ class _InFlight:
     """A launched step: what `collect` reads back once the device is done with it."""
     batch: StepBatch
     sampling: list[int]  # indices into batch.seqs of the sequences that sampled
+    width: int  # K + 1: the token columns of `packed`
     packed: torch.Tensor  # host [S, K + 2 + k]: token_ids, num_accepted, drafts (one copy, not yet waited for)
     done: torch.cuda.Event | None  # recorded after the copy (None off CUDA: the copy is already done)
     logprobs: DeviceLogprobs | None
@@ -242,7 +243,7 @@ class ModelRunner:
         sampling = [i for i, n in enumerate(step.rows_per_seq) if n]
         sampled = self._sample(batch, step, logits, sampling) if sampling else None
         drafts = self._propose(batch, host, step, sampling, sampled, shift, graphed) if self.proposer else None
-        width = max((len(batch.seqs[i].spec_token_ids) for i in sampling), default=0) + 1
+        width = sampled.verified.token_ids.shape[1] if sampled else 1
         parts = [sampled.verified.token_ids, sampled.verified.num_accepted[:, None]] if sampled else []
         if drafts is not None and sampling:
             parts.append(drafts.long())
@@ -257,7 +258,7 @@ class ModelRunner:
         if sampled:
             self._last = _LastOutputs({batch.seqs[i].request_id: r for r, i in enumerate(sampling)},
                                       sampled.verified.token_ids, sampled.verified.num_accepted, drafts)
-        self._in_flight.append(_InFlight(batch, sampling, out, done, sampled.logprobs if sampled else None,
+        self._in_flight.append(_InFlight(batch, sampling, width, out, done, sampled.logprobs if sampled else None,
                                          prompt_logprobs))
 
     def collect(self) -> list[SeqStepResult]:
@@ -266,8 +267,7 @@ class ModelRunner:
         if f.done is not None:
             f.done.synchronize()
         results = [SeqStepResult() for _ in f.batch.seqs]
-        rows = f.packed.tolist()
-        width = max((len(f.batch.seqs[i].spec_token_ids) for i in f.sampling), default=0) + 1
+        rows, width = f.packed.tolist(), f.width
         logprobs = f.logprobs.to_host() if f.logprobs is not None else None
         for r, i in enumerate(f.sampling):
             row, accepted = rows[r], rows[r][width]

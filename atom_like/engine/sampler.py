@@ -164,18 +164,14 @@ class Sampler:
         flattened (device values: a sequence whose drafts the host has not seen yet has
         placeholders in spec_token_ids, and only their count matters here)."""
         num_drafts = [len(s.spec_token_ids) for s in seqs]
-        rows = [n + 1 for n in num_drafts]
-        st = row_sampling_tensors([s.params for s in seqs], [self._generator(s) for s in seqs], rows,
+        st = row_sampling_tensors([s.params for s in seqs], [self._generator(s) for s in seqs], [n + 1 for n in num_drafts],
                                   self.vocab_size, logits.device)
         processors = row_logits_processors(seqs, logits.shape[-1], logits.device)
         verified = verify(logits, num_drafts, draft_ids, st, self.generator, processors,
                           forced_acceptance=forced_acceptance)
         logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
-            width = max(num_drafts) + 1
-            starts = np.concatenate([[0], np.cumsum(rows)[:-1]])
-            grid = starts[:, None] + np.minimum(np.arange(width)[None, :], np.array(num_drafts)[:, None])
-            index = torch.from_numpy(grid.reshape(-1)).to(logits.device, non_blocking=True)
-            logprobs = token_logprobs(logits[index], verified.token_ids.reshape(-1).clamp_min(0),
+            width = verified.token_ids.shape[1]
+            logprobs = token_logprobs(logits[verified.row_index.reshape(-1)], verified.token_ids.reshape(-1).clamp_min(0),
                                       [s.params.logprobs for s in seqs for _ in range(width)])
         return Sampled(verified, logprobs)
