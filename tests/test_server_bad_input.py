@@ -268,6 +268,38 @@ def test_half_sent_body_gets_a_408(server, http):
     assert_serving(http)
 
 
+def _read_response(sock) -> bytes:
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    body = b""
+    while len(body) < length:
+        body += sock.recv(length - len(body))
+    return head + body
+
+
+@pytest.mark.parametrize("auth", [True, False])
+def test_a_refused_upload_is_drained_not_reset(server, auth):
+    """A 413 (or 401) sent before the body is read must not close the socket under the client
+    (the reset can destroy the response, seen as a flaky 'peer closed connection'): the rest of
+    the body is discarded and the same connection serves the next request."""
+    sock = _raw_connection(server)
+    body = b"x" * (12 << 20)
+    key = f"Authorization: Bearer {KEY}\r\n" if auth else ""
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{key}Content-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode())
+    sender = threading.Thread(target=sock.sendall, args=(body,))
+    sender.start()
+    reply = _read_response(sock)
+    sender.join()
+    assert reply.startswith(b"HTTP/1.1 413" if auth else b"HTTP/1.1 401"), reply[:200]
+    assert b"connection: close" not in reply.lower()
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _read_response(sock).startswith(b"HTTP/1.1 200")
+    sock.close()
+
+
 def test_chat_content_with_special_token_text_is_served(http):
     response = http.post("/v1/chat/completions", json={**CHAT_OK, "messages": [{"role": "user", "content": "w0 w1"}]})
     assert response.status_code == 200, response.text

@@ -19,10 +19,16 @@ OPEN_PATHS = ("/health",)  # what --api-key leaves open (plus /metrics with --pu
 
 
 async def send_error(send, status: int, message: str, code: str | None = None, param: str | None = None,
-                     request_id: str | None = None, type: str = "invalid_request_error") -> None:
+                     request_id: str | None = None, type: str = "invalid_request_error",
+                     close: bool = True) -> None:
+    """`close=False` for refusals sent before the client has finished uploading its body: closing
+    a socket with unread bytes makes the kernel send a reset, which can destroy the response the
+    client has not read yet. Kept open, uvicorn discards the rest of the body and the connection
+    serves the next request; TimedH11Protocol bounds that drain by the header timeout."""
     body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump_json().encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close")]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -56,7 +62,7 @@ class RequestGuard:
 
         refusal = self._check_auth(scope)
         if refusal is not None:
-            return await send_error(send, 401, refusal, "invalid_api_key", request_id=request_id)
+            return await send_error(send, 401, refusal, "invalid_api_key", request_id=request_id, close=False)
         lengths = [v for k, v in scope["headers"] if k == b"content-length"]
         if lengths and (len(lengths) > 1 or not lengths[0].isdigit()):
             return await send_error(send, 400, "one Content-Length header with a decimal length is allowed",
@@ -107,7 +113,8 @@ class RequestGuard:
 
     async def _too_large(self, send, request_id: str) -> None:
         await send_error(send, 413, f"the request body is larger than {self.max_body_bytes} bytes "
-                                    "(--max-request-bytes)", "request_too_large", request_id=request_id)
+                                    "(--max-request-bytes)", "request_too_large", request_id=request_id,
+                         close=False)
 
 
 class TimedH11Protocol(H11Protocol):
