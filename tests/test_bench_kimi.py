@@ -213,12 +213,16 @@ def test_the_forced_acceptance_mix_averages_the_reference_exactly(k, length, mix
 
 def test_the_bench_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
-    result = bench_kimi.main(["--tiny", "--device", "cpu", "--ks", "0,3", "--concurrency", "2", "--input-len", "8",
-                              "--output-len", "16", "--window", "2", "--warmup", "1", "--copy-bytes", str(1 << 20)])
-    assert [(r["mode"], r["batch"]) for r in result["rows"]] == [("off", 2), ("k=3", 2)]
+    # a chunk budget of 16 prefills the 3 prompts in 3 steps, the first decoding meanwhile: every
+    # window step must still give every user a token (it once ran out of max_tokens inside the window)
+    result = bench_kimi.main(["--tiny", "--device", "cpu", "--ks", "0,3", "--concurrency", "3", "--input-len", "12",
+                              "--output-len", "16", "--window", "2", "--warmup", "1", "--copy-bytes", str(1 << 20),
+                              "--max-num-batched-tokens", "16"])
+    assert [(r["mode"], r["batch"]) for r in result["rows"]] == [("off", 3), ("k=3", 3)]
+    assert [w["tokens_per_step"] for w in result["rows"][0]["windows"]] == [1.0, 1.0]
     near, far = result["rows"][1]["windows"]
-    assert near["prompt_len"] == 8 and far["context"] > near["context"] + 4  # the second window runs further in
+    assert near["prompt_len"] == 12 and far["context"] > near["context"] + 4  # the second window runs further in
     assert all(r["tokens_per_s_user"] > 0 and r["roofline_ms"] > 0 for r in result["rows"])
     assert json.loads((tmp_path / "bench_kimi.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
-    assert "| k=3 | 2 |" in (tmp_path / "bench_kimi.md").read_text()
+    assert "| k=3 | 3 |" in (tmp_path / "bench_kimi.md").read_text()
     assert (tmp_path / "bench_kimi.png").stat().st_size > 1000
