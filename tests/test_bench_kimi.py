@@ -73,7 +73,7 @@ def test_a_simulated_rank_holds_its_slice_and_runs(configs):
     target, draft = configs
     d = TINY
     with tp.tp_state(2, N, simulated=True):
-        engine, forced = build_engine(target, draft, 3, load_format="dummy", kv_cache_dtype="fp8", **COMMON)
+        engine, _ = build_engine(target, draft, 3, load_format="dummy", kv_cache_dtype="fp8", **COMMON)
         out = engine.generate([[1, 2, 3, 4, 5]], GREEDY, use_tqdm=False)[0].token_ids
     assert len(out) == 6
     model = text_model(engine)
@@ -92,7 +92,7 @@ def test_a_simulated_rank_holds_its_slice_and_runs(configs):
     dense = model.model.layers[0].mlp
     assert dense.down_proj.weight.shape == (d.hidden, d.dense_intermediate // N // 2)
     assert model.model.embed_tokens.weight.shape == model.lm_head.weight.shape == (d.vocab // N, d.hidden)
-    drafter = forced.inner.draft
+    drafter = engine.runner.proposer.draft
     assert drafter.midlayer.self_attn.qkv_proj.weight.shape == (3 * d.draft_heads // N * d.draft_head_dim, 2 * d.hidden)
     assert drafter.midlayer.mlp.down_proj.weight.shape == (d.hidden, d.draft_intermediate // N)
     assert drafter.fc.weight.shape == (d.hidden, 3 * d.hidden)  # replicated
