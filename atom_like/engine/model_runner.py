@@ -81,7 +81,7 @@ class ModelRunner:
 
     def __init__(self, args: EngineArgs, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, proposer_factory: ProposerFactory | None = None):
-        """`proposer_factory` replaces the EAGLE3 proposer (tests and benchmarks use an oracle)."""
+        """`proposer_factory` replaces the EAGLE3 proposer (see LLMEngine)."""
         self.args, self.device, self.dtype = args, device, dtype
         self.block_size, self.max_model_len = args.block_size, max_model_len
         if device.type == "cuda":
