@@ -145,7 +145,7 @@ class Sampler:
         self.vocab_size, self.device = vocab_size, device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}  # requests that bring a seed
-        self.verifier: Verifier = verify
+        self.verifier: Verifier = verify  # which drafts a step keeps and what it emits (model_ops.sampling)
 
     def drop(self, request_ids: list[str]) -> None:
         """Forget finished requests' generators."""
