@@ -212,7 +212,7 @@ def rank_weights(runner) -> dict:
     out = dict(all=total([model]), routed=total(routed), embed=total(embed), moe_layers=len(routed))
     out["dense"] = out["all"] - out["routed"] - out["embed"]  # read whole every step
     if runner.proposer is not None:
-        draft = runner.proposer.inner.draft
+        draft = runner.proposer.draft
         fc = total([draft.fc])
         d_embed = total([m for name, m in draft.named_modules() if name.endswith("embed_tokens")])
         out.update(draft_all=total([draft]), draft_fc=fc, draft_embed=d_embed,

@@ -55,7 +55,7 @@ def test_dummy_builds_from_config_alone_seeded_with_mxfp4_sane_and_generates(con
     assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
     std = model.lm_head.weight.std().item()
     assert 0.015 < std < 0.025, std
-    draft_model = engine.runner.proposer.inner.draft
+    draft_model = engine.runner.proposer.draft
     assert 0.015 < draft_model.fc.weight.std().item() < 0.025
     # seeded: the same seed gives the same weights (and tokens), another seed other weights
     again = LLMEngine(target, load_format="dummy", kv_cache_dtype="fp8", **COMMON)
