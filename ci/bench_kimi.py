@@ -26,7 +26,7 @@ A decode step's time is linear in the context (only the KV read grows), so the m
 1k-in / 1k-out run is the mean of the two windows (both are reported). tokens/s per user =
 tokens a request gained over the windows / their time (decode only: 1 / TPOT); total = B x that.
 Speculation: every step accepts exactly m of the k drafts (spec_decode.testing.ForcedAcceptance
-around the real EAGLE3 proposer, so the draft runs at full cost); m follows a fixed sequence whose
+verifies while the real EAGLE3 proposer drafts, so the draft runs at full cost); m follows a fixed sequence whose
 every 25 consecutive steps average the reference acceptance length exactly (k = 3: 2.88 = 22
 steps of m = 2 and 3 of m = 1; k = 4: 3.24 = 19 of m = 2 and 6 of m = 3, spread evenly), so a
 window of 25 steps reproduces it; the measured value is reported.
@@ -167,23 +167,15 @@ def write_configs(folder: str | Path, d: KimiDims) -> tuple[str, str]:
 
 def build_engine(target: str, draft: str | None, k: int, **engine_args):
     """An LLMEngine on `target` (under whatever model_ops.tp state the caller set); with `draft`,
-    EAGLE3 k wrapped in ForcedAcceptance. Returns (engine, the ForcedAcceptance or None)."""
+    EAGLE3 k verified by ForcedAcceptance. Returns (engine, the ForcedAcceptance or None)."""
     from atom_like import LLMEngine
-    from atom_like.engine.speculative import build_eagle3_proposer
     from spec_decode.testing import ForcedAcceptance
 
     if draft is None:
         return LLMEngine(target, **engine_args), None
-    holder = []
-
-    def factory(runner):
-        inner = build_eagle3_proposer(runner.args, runner.model, runner.dtype, runner.device, runner.kv_cache_dtype)
-        holder.append(ForcedAcceptance(inner, k))
-        return holder[0]
-
-    engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, proposer_factory=factory,
-                       **engine_args)
-    return engine, holder[0]
+    engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, **engine_args)
+    forced = engine.runner.sampler.verifier = ForcedAcceptance(k)
+    return engine, forced
 
 
 def acceptance_schedule(length: Fraction, k: int):
@@ -220,7 +212,7 @@ def rank_weights(runner) -> dict:
     out = dict(all=total([model]), routed=total(routed), embed=total(embed), moe_layers=len(routed))
     out["dense"] = out["all"] - out["routed"] - out["embed"]  # read whole every step
     if runner.proposer is not None:
-        draft = runner.proposer.inner.draft
+        draft = runner.proposer.draft
         fc = total([draft.fc])
         d_embed = total([m for name, m in draft.named_modules() if name.endswith("embed_tokens")])
         out.update(draft_all=total([draft]), draft_fc=fc, draft_embed=d_embed,
@@ -307,7 +299,7 @@ def run_window(engine, forced, prompts: list[list[int]], warmup: int, window: in
 
     def step() -> None:
         if forced is not None:
-            forced.forced_acceptance = next(schedule)
+            forced.m = next(schedule)
         for out in engine.step():
             count[out.request_id] = len(out.token_ids)
 

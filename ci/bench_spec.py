@@ -99,15 +99,15 @@ def run(model: str, batch_sizes: list[int], k: int, max_tokens: int, prompt_len:
     common = dict(max_model_len=prompt_len + max_tokens + 2 * k + 16, max_num_seqs=max(batch_sizes),
                   gpu_memory_utilization=0.35, enforce_eager=enforce_eager)
     plain = LLMEngine(model, **common)
-    forced: list[ForcedAcceptance] = []
 
     def factory(runner):
         args = dataclasses.replace(runner.args, method="eagle3", draft_model=draft, num_speculative_tokens=k)
-        forced.append(ForcedAcceptance(build_eagle3_proposer(args, runner.model, runner.dtype, runner.device, runner.kv_cache_dtype), 0))
-        forced[0].capturable = capture_draft  # False: the target step is a graph, the draft loop runs eagerly
-        return forced[0]
+        proposer = build_eagle3_proposer(args, runner.model, runner.dtype, runner.device, runner.kv_cache_dtype)
+        proposer.capturable = capture_draft  # False: the target step is a graph, the draft loop runs eagerly
+        return proposer
 
     spec = LLMEngine(model, proposer_factory=factory, **common)
+    forced = spec.runner.sampler.verifier = ForcedAcceptance(0)
     rows = []
     for bs in batch_sizes:
         g = torch.Generator().manual_seed(bs)
@@ -116,7 +116,7 @@ def run(model: str, batch_sizes: list[int], k: int, max_tokens: int, prompt_len:
         base_tps = timed_steps(plain, prompts, params, f"plain{bs}")
         rows.append(dict(batch=bs, mode="plain", forced=None, tokens_per_s=base_tps, mean_acceptance_length=1.0))
         for m in range(k + 1):
-            forced[0].forced_acceptance = m
+            forced.m = m
             before = (spec.spec_stats.num_drafts, spec.spec_stats.num_accepted_tokens)
             tps = timed_steps(spec, prompts, params, f"spec{bs}m{m}")
             drafts = spec.spec_stats.num_drafts - before[0]

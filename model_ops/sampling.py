@@ -8,6 +8,7 @@ generator, so a seeded request gets the same tokens whatever else shares its bat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -113,9 +114,57 @@ class Verified:
         return accepted, [row[:a + 1] for a, row in zip(accepted, rows)]
 
 
+@dataclass
+class DraftLayout:
+    """Where a step's rows and drafts sit, per sequence: sequence s owns num_drafts[s] + 1
+    consecutive logits rows (row j scores the token after its first j drafts), and `draft_ids`
+    holds every sequence's drafts, flattened in the same order. Built on the host from the
+    counts, so no device value is read."""
+    row_start: np.ndarray  # [S] host: each sequence's first row
+    row_index: torch.Tensor  # [S, K + 1]: the row scoring the token after s's first j drafts (clamped to s's last)
+    valid: torch.Tensor  # [S, K]: j < num_drafts[s]
+    drafts: torch.Tensor  # [S, K] s's draft j (entries past its drafts are masked by `valid`)
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor) -> "DraftLayout":
+        num_seqs, width, num_rows = len(num_drafts), max(num_drafts, default=0), logits.shape[0]
+        if sum(num_drafts) + num_seqs != num_rows or draft_ids.numel() != sum(num_drafts):
+            raise ValueError(f"logits has {num_rows} rows and draft_ids {draft_ids.numel()} tokens for "
+                             f"{num_seqs} sequences with {sum(num_drafts)} drafts")
+        device = logits.device
+        n = np.array(num_drafts, dtype=np.int64)
+        row_start = np.concatenate([[0], np.cumsum(n + 1)[:-1]]) if num_seqs else n
+        draft_start = row_start - np.arange(num_seqs)
+        j = np.arange(width + 1)[None, :]
+        row_index = _to(row_start[:, None] + np.minimum(j, n[:, None]), device)
+        valid = _to(j[:, :width] < n[:, None], device)
+        # clamped into range for the gather; `valid` masks what lies past a sequence's drafts
+        draft_index = _to(np.minimum(draft_start[:, None] + j[:, :width], max(int(n.sum()) - 1, 0)), device)
+        drafts = draft_ids[draft_index] if width else draft_ids.new_zeros(num_seqs, 0)
+        return cls(row_start, row_index, valid, drafts)
+
+    def verified(self, emitted: torch.Tensor, accept: torch.Tensor) -> Verified:
+        """Each sequence keeps its drafts up to its first rejected one (`accept` [S, K]), then emits
+        what the row after them would (`emitted` [R])."""
+        num_seqs, width = self.drafts.shape
+        num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
+        last = emitted[self.row_index].gather(1, num_accepted[:, None])
+        cols = torch.arange(width + 1, device=emitted.device)[None, :]
+        padded = torch.cat([self.drafts, self.drafts.new_full((num_seqs, 1), -1)], dim=1)
+        tokens = torch.where(cols < num_accepted[:, None], padded, torch.where(cols == num_accepted[:, None], last, -1))
+        return Verified(tokens, num_accepted, self.row_index)
+
+
+class Verifier(Protocol):
+    """The rule that turns a step's logits and drafts into its tokens (`verify` below)."""
+
+    def __call__(self, logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor, st: SamplingTensors,
+                 shared: torch.Generator, processors: LogitsProcessors | None = None) -> Verified: ...
+
+
 def verify(logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor, st: SamplingTensors,
            shared: torch.Generator, processors: LogitsProcessors | None = None,
-           draft_probs: torch.Tensor | None = None, forced_acceptance: int | None = None) -> Verified:
+           draft_probs: torch.Tensor | None = None) -> Verified:
     """Sample every sequence's next token, verifying its draft tokens first (docs/eagle3_semantics.md,
     "Verification"), entirely on the device: no host read, so the host can prepare the next step
     while this one runs.
@@ -133,47 +182,20 @@ def verify(logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor,
     pass, emit a bonus token from the last row's p. p is the request's processed distribution
     (processors, temperature, top-k, top-p), so the emitted tokens are distributed exactly as
     plain sampling from the target would be; a greedy row's p is the one-hot of its argmax,
-    which makes the same arithmetic exact there too. `forced_acceptance` m (benchmarks only,
-    like ATOM's --spec-decode-acceptance-length) accepts the first m drafts whatever they are
-    and emits the argmax after them: a speed curve at exact acceptance lengths, not lossless.
+    which makes the same arithmetic exact there too.
     """
-    num_seqs, width = len(num_drafts), max(num_drafts, default=0)
-    if sum(num_drafts) + num_seqs != logits.shape[0] or draft_ids.numel() != sum(num_drafts):
-        raise ValueError(f"logits has {logits.shape[0]} rows and draft_ids {draft_ids.numel()} tokens for "
-                         f"{num_seqs} sequences with {sum(num_drafts)} drafts")
-    device = logits.device
-    # host-built layout: row_index[s, j] = the row scoring the token after s's first j drafts
-    # (clamped to its last row), draft_index[s, j] = where s's draft j sits in draft_ids
-    n = np.array(num_drafts, dtype=np.int64)
-    row_start = np.concatenate([[0], np.cumsum(n + 1)[:-1]]) if num_seqs else n
-    draft_start = row_start - np.arange(num_seqs)
-    j = np.arange(width + 1)[None, :]
-    row_index = _to(row_start[:, None] + np.minimum(j, n[:, None]), device)
-    valid = _to(j[:, :width] < n[:, None], device)
-    # (entries past a sequence's drafts are masked by `valid`; clamped into range for the gather)
-    draft_index = _to(np.minimum(draft_start[:, None] + j[:, :width], max(int(n.sum()) - 1, 0)), device)
-    drafts = draft_ids[draft_index] if width else draft_ids.new_zeros(num_seqs, 0)
-
-    if forced_acceptance is not None:
+    layout = DraftLayout.of(logits, num_drafts, draft_ids)
+    if processors is not None:
+        logits = processors(logits)
+    if st.all_greedy and draft_probs is None:  # a host fact: no device read-back
         emitted = logits.argmax(dim=-1)
-        accept = valid & (torch.arange(width, device=device) < forced_acceptance)[None, :]
+        accept = layout.valid & (layout.drafts == emitted[layout.row_index[:, :-1]])
     else:
-        if processors is not None:
-            logits = processors(logits)
-        if st.all_greedy and draft_probs is None:  # a host fact: no device read-back
-            emitted = logits.argmax(dim=-1)
-            accept = valid & (drafts == emitted[row_index[:, :width]])
-        else:
-            emitted, accepted_flat = _rejection_sample(logits, num_drafts, row_start, draft_ids, st, shared,
-                                                       draft_probs)
-            accept = torch.zeros(num_seqs, width, dtype=torch.bool, device=device)
-            accept[valid] = accepted_flat  # row-major order of `valid` is draft_ids' order
-    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
-    last = emitted[row_index].gather(1, num_accepted[:, None])
-    cols = torch.arange(width + 1, device=device)[None, :]
-    padded = torch.cat([drafts, drafts.new_full((num_seqs, 1), -1)], dim=1)
-    tokens = torch.where(cols < num_accepted[:, None], padded, torch.where(cols == num_accepted[:, None], last, -1))
-    return Verified(tokens, num_accepted, row_index)
+        emitted, accepted_flat = _rejection_sample(logits, num_drafts, layout.row_start, draft_ids, st, shared,
+                                                   draft_probs)
+        accept = torch.zeros_like(layout.valid)
+        accept[layout.valid] = accepted_flat  # row-major order of `valid` is draft_ids' order
+    return layout.verified(emitted, accept)
 
 
 def _rejection_sample(logits: torch.Tensor, num_drafts: list[int], row_start: np.ndarray, draft_ids: torch.Tensor,

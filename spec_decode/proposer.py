@@ -36,20 +36,17 @@ class ProposeInputs:
     last_rows: torch.Tensor  # [B] per scheduled sequence: row of its last verified token
     next_token_ids: torch.Tensor  # [B] the token that follows that row
     sampling: torch.Tensor  # [S] indices of the sequences that get proposals
-    request_ids: list[str]  # [S]
-    num_generated: torch.Tensor  # [S] generated tokens after this step
 
 
 class Proposer(ABC):
     """Proposes `num_spec_tokens` draft tokens (target vocabulary ids) per sampling sequence.
 
-    `propose` is the device work; when `capturable`, it reads only the tensors of its inputs, so
-    decode steps can replay it as a graph. `finalize` is the host-side last word on the proposals.
+    When `capturable`, `propose` reads only the tensors of its inputs (no host value of them), so
+    decode steps can replay it as a graph.
     """
 
     num_spec_tokens: int
     capturable: bool = False
-    forced_acceptance: int | None = None  # benchmarks: accept this many drafts whatever they are
 
     def kv_builders(self) -> list[KVCacheBuilder]:
         """Builders for the draft's own KV; the runner adds them to the pool."""
@@ -60,10 +57,7 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, inputs: ProposeInputs) -> torch.Tensor:
-        """[S, num_spec_tokens] proposals."""
-
-    def finalize(self, drafts: torch.Tensor, inputs: ProposeInputs) -> torch.Tensor:
-        return drafts
+        """[S, num_spec_tokens] proposals, on the device."""
 
 
 def first_pass_input_ids(input_ids: torch.Tensor, last_rows: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,10 @@ def install_checks(engine: LLMEngine, sentinel: bool = False) -> Checks:
     checks = _installed[engine] = Checks(sentinel)
     ref = weakref.ref(engine)
     schedule, update = type(engine.scheduler).schedule, type(engine.scheduler).update
-    launch, abort = type(engine.runner).launch, type(engine).abort_request
+    abort = type(engine).abort_request
+    # a test drafter may watch the launches (tests/oracle_proposer.py): the checks wrap its watcher
+    watcher = vars(engine.runner).get("launch") if in_process else None
+    launch = type(engine.runner).launch if watcher is None else (lambda runner, batch: watcher(batch))
 
     def checked_schedule():
         engine = ref()

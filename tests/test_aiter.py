@@ -269,7 +269,7 @@ def test_engine_on_emulated_aiter(make_deepseek, tmp_path, pretend_mi355):
     test_mxfp4_moe_through_emulated_aiter_is_the_reference compares the layer instead."""
     from atom_like import LLMEngine, SamplingParams
     from atom_like.zoo.quark_mxfp4 import convert
-    from spec_decode.testing import OracleProposer
+    from oracle_proposer import OracleProposer
 
     src = make_deepseek("v3", hidden_size=256, moe_intermediate_size=256, intermediate_size=256, num_hidden_layers=2,
                         n_routed_experts=4, n_group=2, topk_group=1)
@@ -284,7 +284,7 @@ def test_engine_on_emulated_aiter(make_deepseek, tmp_path, pretend_mi355):
     emu = pretend_mi355
     for k, rows in ((0, 1), (3, 4), (2, 3)):
         emu.mla_args.clear()
-        factory = None if k == 0 else (lambda r, k=k: OracleProposer(continuations, k, r.vocab_size))
+        factory = None if k == 0 else (lambda r, k=k: OracleProposer(r, continuations, k))
         engine = LLMEngine(dst, attention_backend="aiter", proposer_factory=factory, **w4a16)
         assert all(isinstance(b.backend, AiterMLABackend) for b in engine.runner.builders)
         # 2 drafts only check the routing: one short request

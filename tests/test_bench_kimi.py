@@ -55,7 +55,7 @@ def test_dummy_builds_from_config_alone_seeded_with_mxfp4_sane_and_generates(con
     assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
     std = model.lm_head.weight.std().item()
     assert 0.015 < std < 0.025, std
-    draft_model = engine.runner.proposer.inner.draft
+    draft_model = engine.runner.proposer.draft
     assert 0.015 < draft_model.fc.weight.std().item() < 0.025
     # seeded: the same seed gives the same weights (and tokens), another seed other weights
     again = LLMEngine(target, load_format="dummy", kv_cache_dtype="fp8", **COMMON)
@@ -73,7 +73,7 @@ def test_a_simulated_rank_holds_its_slice_and_runs(configs):
     target, draft = configs
     d = TINY
     with tp.tp_state(2, N, simulated=True):
-        engine, forced = build_engine(target, draft, 3, load_format="dummy", kv_cache_dtype="fp8", **COMMON)
+        engine, _ = build_engine(target, draft, 3, load_format="dummy", kv_cache_dtype="fp8", **COMMON)
         out = engine.generate([[1, 2, 3, 4, 5]], GREEDY, use_tqdm=False)[0].token_ids
     assert len(out) == 6
     model = text_model(engine)
@@ -92,7 +92,7 @@ def test_a_simulated_rank_holds_its_slice_and_runs(configs):
     dense = model.model.layers[0].mlp
     assert dense.down_proj.weight.shape == (d.hidden, d.dense_intermediate // N // 2)
     assert model.model.embed_tokens.weight.shape == model.lm_head.weight.shape == (d.vocab // N, d.hidden)
-    drafter = forced.inner.draft
+    drafter = engine.runner.proposer.draft
     assert drafter.midlayer.self_attn.qkv_proj.weight.shape == (3 * d.draft_heads // N * d.draft_head_dim, 2 * d.hidden)
     assert drafter.midlayer.mlp.down_proj.weight.shape == (d.hidden, d.draft_intermediate // N)
     assert drafter.fc.weight.shape == (d.hidden, 3 * d.hidden)  # replicated

@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 def count_replays(monkeypatch) -> dict:
     calls = {"target": 0, "draft": 0}
-    replay_target, run_draft = DecodeGraphs.replay_target, DecodeGraphs.run_draft
+    replay_target, replay_draft = DecodeGraphs.replay_target, DecodeGraphs.replay_draft
 
     def target(self, num_seqs):
         calls["target"] += 1
@@ -24,10 +24,10 @@ def count_replays(monkeypatch) -> dict:
 
     def draft(self, *args):
         calls["draft"] += 1
-        return run_draft(self, *args)
+        return replay_draft(self, *args)
 
     monkeypatch.setattr(DecodeGraphs, "replay_target", target)
-    monkeypatch.setattr(DecodeGraphs, "run_draft", draft)
+    monkeypatch.setattr(DecodeGraphs, "replay_draft", draft)
     return calls
 
 

@@ -9,12 +9,12 @@ from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
+from oracle_proposer import OracleProposer, accept_first
 from prometheus_client import generate_latest
 
 from atom_like import LLMEngine, SamplingParams
 from atom_like.entrypoints.engine_loop import Admitted, EngineLoop, EngineRequest, Failed, Rejected
 from atom_like.entrypoints.metrics import EngineState, ServerMetrics, SpecSnapshot
-from spec_decode.testing import OracleProposer, accept_first
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -157,7 +157,7 @@ def test_speculation_metrics_follow_the_engine(llama_path):
     # An oracle draft that gets the first m of every k proposals right: each verify accepts exactly m.
     continuations = defaultdict(list, {f"r{i}": tokens for i, tokens in enumerate(greedy)})
     engine = LLMEngine(llama_path, max_model_len=64,
-                       proposer_factory=lambda runner: OracleProposer(continuations, k, runner.vocab_size, accept_first(m)))
+                       proposer_factory=lambda runner: OracleProposer(runner, continuations, k, accept_first(m)))
 
     async def main():
         loop = await started(engine)

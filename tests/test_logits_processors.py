@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from oracle_proposer import OracleProposer
 
 from atom_like import LLMEngine, SamplingParams
 from atom_like.engine.sampler import row_logits_processors
 from atom_like.engine.sequence import Sequence
 from atom_like.engine.step_inputs import SeqStep
-from spec_decode.testing import OracleProposer
 
 VOCAB = 128
 PROMPTS = [[3, 17, 42, 9, 3], [100, 2, 5], [7, 7, 7, 7, 1, 2]]
@@ -131,7 +131,7 @@ def test_speculation_with_processors_is_token_identical(target, engine, make_eag
     spec = LLMEngine(target, max_model_len=128, method="eagle3", draft_model=draft, num_speculative_tokens=k)
     assert run(spec, PROMPTS, params) == expected
     oracle = LLMEngine(target, max_model_len=128, proposer_factory=lambda r: OracleProposer(
-        {str(i): e for i, e in enumerate(expected)}, k, r.vocab_size))
+        r, {str(i): e for i, e in enumerate(expected)}, k))
     ids = [oracle.add_request(p, sp, request_id=str(i)) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     done = {}
     while oracle.has_unfinished_requests():

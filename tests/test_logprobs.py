@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from engine_checks import run_checked
 from hf_reference import HFReference
+from oracle_proposer import OracleProposer
 
 from atom_like import LLMEngine, SamplingParams
-from spec_decode.testing import OracleProposer
 
 rng = np.random.default_rng(7)
 PROMPTS = [[int(x) for x in rng.integers(1, 128, n)] for n in (4, 23, 9)]
@@ -54,7 +54,7 @@ def oracle_engine(target, paths, k, **kwargs) -> LLMEngine:
     continuations = {f"r{i}": path for i, path in enumerate(paths)}
     corrupt = lambda rid, n, j: j >= (int(rid[1:]) + n) % (k + 1)  # noqa: E731
     return LLMEngine(target, max_model_len=64, **kwargs,
-                     proposer_factory=lambda r: OracleProposer(continuations, k, r.vocab_size, corrupt))
+                     proposer_factory=lambda r: OracleProposer(r, continuations, k, corrupt))
 
 
 CASES = {
@@ -97,7 +97,7 @@ def test_no_logprob_past_a_stop_string(target, reference, greedy_paths, drafts):
     if drafts:
         continuations = {"r0": path}
         engine = LLMEngine(target, max_model_len=64,
-                           proposer_factory=lambda r: OracleProposer(continuations, k, r.vocab_size))
+                           proposer_factory=lambda r: OracleProposer(r, continuations, k))
     else:
         engine = LLMEngine(target, max_model_len=64)
     (out,) = run_checked(engine, [prompt], params, request_ids=["r0"])

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from engine_checks import run_checked
 from hf_reference import HFReference, chisquare_pvalue, sampling_distribution
+from oracle_proposer import OracleProposer
 
 from atom_like import LLMEngine, SamplingParams
-from spec_decode.testing import OracleProposer
 
 P_FLOOR = 1e-4
 rng = np.random.default_rng(11)
@@ -66,7 +66,7 @@ def test_grid_in_one_mixed_batch(llama_path, reference):
 
 def _oracle_engine(target, continuation, k, **kwargs) -> LLMEngine:
     continuations = defaultdict(lambda: continuation)  # every request proposes the same greedy path
-    return LLMEngine(target, proposer_factory=lambda r: OracleProposer(continuations, k, r.vocab_size),
+    return LLMEngine(target, proposer_factory=lambda r: OracleProposer(r, continuations, k),
                      **{"max_model_len": 32, **kwargs})
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine_checks import install_checks, run_checked
+from oracle_proposer import OracleProposer, accept_first
 
 from atom_like import LLMEngine, SamplingParams
-from spec_decode.testing import OracleProposer, accept_first
 
 rng = np.random.default_rng(3)
 PROMPTS = [[int(x) for x in rng.integers(0, 128, n)] for n in (3, 41, 9, 17, 2)]
@@ -38,7 +38,7 @@ def assert_no_leak(engine):
 
 def oracle_engine(target, baseline, k, corrupt, **kwargs):
     continuations = {str(i): toks for i, toks in enumerate(baseline)}
-    factory = lambda runner: OracleProposer(continuations, k, runner.vocab_size, corrupt)  # noqa: E731
+    factory = lambda runner: OracleProposer(runner, continuations, k, corrupt)  # noqa: E731
     return LLMEngine(target, proposer_factory=factory, **{"max_model_len": 160, **kwargs})
 
 
@@ -116,22 +116,14 @@ def test_speculative_sequence_reaches_max_model_len(target, make_eagle3_llama, n
     verified token, beyond max_model_len: those blocks must exist (max_blocks_per_seq has the
     margin, and so does the default pool), or the sequence preempts itself forever. With every
     draft accepted (forced) the sequence reaches the end in (k + 1)-token strides."""
-    import dataclasses
-
-    from atom_like.engine.speculative import build_eagle3_proposer
     from spec_decode.testing import ForcedAcceptance
 
     max_model_len, k, prompt = 48, 3, PROMPTS[1][:13]
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    draft = make_eagle3_llama(target)
-    kwargs = dict(max_model_len=max_model_len, max_num_seqs=1, num_kv_blocks=num_kv_blocks)
+    engine = LLMEngine(target, method="eagle3", draft_model=make_eagle3_llama(target), num_speculative_tokens=k,
+                       max_model_len=max_model_len, max_num_seqs=1, num_kv_blocks=num_kv_blocks)
     if forced:
-        def factory(runner):
-            args = dataclasses.replace(runner.args, method="eagle3", draft_model=draft, num_speculative_tokens=k)
-            return ForcedAcceptance(build_eagle3_proposer(args, runner.model, runner.dtype, runner.device, runner.kv_cache_dtype), k)
-        engine = LLMEngine(target, proposer_factory=factory, **kwargs)
-    else:
-        engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, **kwargs)
+        engine.runner.sampler.verifier = ForcedAcceptance(k)
     install_checks(engine, sentinel=True)
     (out,) = run_checked(engine, [prompt], params, max_steps=60)
     assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == max_model_len
@@ -187,7 +179,7 @@ def test_speculative_sampling_keeps_the_target_distribution(target, baseline):
 
     greedy_cont = {str(i): baseline[2] for i in range(n)}  # the oracle proposes the greedy path: often accepted
     engine = LLMEngine(target, max_model_len=160, max_num_seqs=n, max_num_batched_tokens=n * 4, seed=SAMPLING_SEED,
-                       proposer_factory=lambda r: OracleProposer(greedy_cont, 2, r.vocab_size))
+                       proposer_factory=lambda r: OracleProposer(r, greedy_cont, 2))
     outs = run(engine, [prompt] * n, SamplingParams(temperature=temp, top_p=top_p, max_tokens=2, ignore_eos=True))
     assert engine.scheduler.spec_stats.num_accepted_tokens > 0  # both branches (accept / recover) were taken
     counts = np.bincount([o[1] for o in outs], minlength=128)
@@ -295,23 +287,31 @@ def test_bad_spec_flags(target, kwargs, match):
 
 
 def test_forced_acceptance_for_benchmarks(target, make_eagle3_llama):
-    """Benchmarks force an acceptance length with a real draft running; the counts are exact."""
-    import dataclasses
-
-    from atom_like.engine.speculative import build_eagle3_proposer
+    """Benchmarks force an acceptance length with the real draft running, changing it between
+    steps; the counts are exact, and m past a sequence's drafts accepts them all."""
     from spec_decode.testing import ForcedAcceptance
 
-    draft = make_eagle3_llama(target)
+    logits = torch.randn(7, 11, generator=torch.Generator().manual_seed(3))
+    drafts = torch.tensor([5, 6, 7, 8])  # sequences with 0, 1 and 3 drafts: rows 0 | 1-2 | 3-6
+    for m, accepted in ((0, [0, 0, 0]), (2, [0, 1, 2]), (5, [0, 1, 3])):
+        verified = ForcedAcceptance(m)(logits, [0, 1, 3], drafts, None, None)
+        assert verified.num_accepted.tolist() == accepted
+        emitted = logits.argmax(-1)[[0, 1 + accepted[1], 3 + accepted[2]]]
+        assert verified.token_ids.gather(1, verified.num_accepted[:, None]).squeeze(1).tolist() == emitted.tolist()
+        assert verified.token_ids[2, :accepted[2]].tolist() == [6, 7, 8][:accepted[2]]
 
-    def factory(runner):
-        args = dataclasses.replace(runner.args, method="eagle3", draft_model=draft, num_speculative_tokens=3)
-        return ForcedAcceptance(build_eagle3_proposer(args, runner.model, runner.dtype, runner.device, runner.kv_cache_dtype), 2)
-
-    engine = LLMEngine(target, max_model_len=160, proposer_factory=factory)
-    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=13, ignore_eos=True), use_tqdm=False)
+    engine = LLMEngine(target, max_model_len=160, method="eagle3", draft_model=make_eagle3_llama(target),
+                       num_speculative_tokens=3)
+    forced = engine.runner.sampler.verifier = ForcedAcceptance(2)
+    params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    outs = engine.generate(PROMPTS, params, use_tqdm=False)
     assert all(len(o.token_ids) == 13 for o in outs)
     assert engine.spec_stats.acceptance_rate == pytest.approx(2 / 3)
     assert engine.spec_stats.mean_acceptance_length == pytest.approx(3.0)
+    forced.m = 0  # the next steps accept nothing
+    drafts, accepted = engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens
+    assert all(len(o.token_ids) == 13 for o in engine.generate(PROMPTS, params, use_tqdm=False))
+    assert engine.spec_stats.num_drafts > drafts and engine.spec_stats.num_accepted_tokens == accepted
     assert_no_leak(engine)
 
 

@@ -15,11 +15,11 @@ import openai
 import pytest
 import torch
 from engine_checks import install_checks
+from oracle_proposer import OracleProposer
 from server_process import running_server
 
 from atom_like import LLMEngine, SamplingParams
 from atom_like.zoo import resolve
-from spec_decode.testing import OracleProposer
 
 SCRIPT = "Grün, 世界! café 😀 fin."
 
@@ -78,7 +78,7 @@ def engine_for(path: str, ids: list[int], drafts: bool) -> LLMEngine:
         return LLMEngine(path, max_model_len=128)
     from collections import defaultdict
     path_after_first = defaultdict(lambda: (ids * 8)[1:])  # the script's own continuation: every draft accepted
-    return LLMEngine(path, max_model_len=128, proposer_factory=lambda r: OracleProposer(path_after_first, 3, r.vocab_size))
+    return LLMEngine(path, max_model_len=128, proposer_factory=lambda r: OracleProposer(r, path_after_first, 3))
 
 
 @pytest.mark.timeout(600)

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from atom_like.engine.step_inputs import HostStep, StepBatch, StepInputs
+from atom_like.models.base import CausalLM
 from model_ops.attention.metadata import AttentionMetadata
-from spec_decode.proposer import ProposeInputs
+from spec_decode.proposer import ProposeInputs, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +55,16 @@ class _Replayable:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int, width: int, scratch_block: int):
-        """`runner` is the ModelRunner (model, proposer, block size); `width` the block-table
-        width; `scratch_block` a block id outside the block manager's range."""
-        self.runner = runner
-        self.q = runner.num_spec_tokens + 1
+    def __init__(self, model: CausalLM, proposer: Proposer | None, device: torch.device, block_size: int,
+                 max_batch: int, width: int, scratch_block: int):
+        """Captures `model`'s decode step and, when `proposer` is capturable, its draft loop, for
+        batches up to `max_batch` sequences; `width` is the block-table width, `scratch_block` a
+        block id outside the block manager's range."""
+        self.model, self.proposer = model, proposer
+        self.q = (proposer.num_spec_tokens if proposer else 0) + 1
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
-        self.device, self.block_size = runner.device, runner.block_size
-        self.context_bound = width * self.block_size
-        self.bound = self.context_bound  # the max_context_len the next run passes; see load
+        self.device = device
+        self.bound = width * block_size  # the max_context_len the next run passes; see load
         self.scratch_block = scratch_block
         n, t = self.buckets[-1], self.buckets[-1] * self.q
         dev = dict(device=self.device)
@@ -75,40 +77,34 @@ class DecodeGraphs:
         self.last_rows = torch.arange(n, **dev) * self.q
         self.next_token_ids = torch.zeros(n, dtype=torch.int64, **dev)
         self.sampling = torch.arange(n, **dev)
-        self.num_generated = torch.zeros(n, dtype=torch.int64, **dev)  # read by no capturable proposer
         self.pad_positions = torch.arange(self.q, **dev).repeat(n)
 
-        proposer = runner.proposer
-        self.capture_draft = proposer is not None and proposer.capturable
+        self.captures_draft = proposer is not None and proposer.capturable
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.target: dict[int, _Replayable] = {}
         self.draft: dict[int, _Replayable] = {}
         for bs in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool memory
             self.target[bs] = _Replayable(partial(self._target_step, bs), self.device, pool)
-            if self.capture_draft:
+            if self.captures_draft:
                 self.draft[bs] = _Replayable(partial(self._draft_loop, bs), self.device, pool)
         if self.device.type == "cuda":
             logger.info("captured decode graphs for batch sizes %s (%d tokens per sequence%s)", self.buckets,
-                        self.q, ", draft loop included" if self.capture_draft else "")
+                        self.q, ", draft loop included" if self.captures_draft else "")
 
     # ------------------------------------------------------------------ captured functions
 
-    def _meta(self, bs: int, max_context_len: int | None = None) -> AttentionMetadata:
+    def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(self.query_start_loc[:bs + 1], self.context_lens[:bs], self.block_tables[:bs],
-                                 self.slot_mapping[:bs * self.q], self.q, max_context_len or self.bound)
+                                 self.slot_mapping[:bs * self.q], self.q, self.bound)
 
     def _target_step(self, bs: int) -> torch.Tensor:
-        model, t = self.runner.model, bs * self.q
-        return model.compute_logits(model(self.input_ids[:t], self.positions[:t], self._meta(bs)))
+        t = bs * self.q
+        return self.model.compute_logits(self.model(self.input_ids[:t], self.positions[:t], self._meta(bs)))
 
     def _draft_loop(self, bs: int) -> torch.Tensor:
-        return self.runner.proposer.propose(self._propose_inputs(bs, self._meta(bs), [], self.num_generated[:bs]))
-
-    def _propose_inputs(self, bs: int, meta: AttentionMetadata, request_ids: list[str],
-                        num_generated: torch.Tensor) -> ProposeInputs:
         t = bs * self.q
-        return ProposeInputs(self.input_ids[:t], self.positions[:t], meta, self.last_rows[:bs],
-                             self.next_token_ids[:bs], self.sampling[:bs], request_ids, num_generated)
+        return self.proposer.propose(ProposeInputs(self.input_ids[:t], self.positions[:t], self._meta(bs),
+                                                   self.last_rows[:bs], self.next_token_ids[:bs], self.sampling[:bs]))
 
     # ------------------------------------------------------------------ replay
 
@@ -145,19 +141,16 @@ class DecodeGraphs:
         """Logits of every row of the step `load` put in place ([B * q, vocab])."""
         return self.target[self.bucket(num_seqs)]()[:num_seqs * self.q]
 
-    def run_draft(self, step: StepInputs, last_rows: torch.Tensor, next_token_ids: torch.Tensor,
-                  request_ids: list[str], num_generated: torch.Tensor) -> torch.Tensor:
-        """The draft loop for the step just replayed; its proposals, finalized."""
-        b = last_rows.shape[0]
+    def replay_draft(self, inputs: ProposeInputs) -> torch.Tensor:
+        """The captured draft loop's proposals for the step just replayed: `inputs` are that step's
+        (views of the buffers `load` filled), with each sequence's last verified row and next token."""
+        b = inputs.last_rows.shape[0]
         bs = self.bucket(b)
-        self.last_rows[:b].copy_(last_rows)
+        self.last_rows[:b].copy_(inputs.last_rows)
         self.last_rows[b:bs] = torch.arange(b, bs, device=self.device) * self.q
-        self.next_token_ids[:b].copy_(next_token_ids)
+        self.next_token_ids[:b].copy_(inputs.next_token_ids)
         self.next_token_ids[b:bs] = 0
-        inputs = self._propose_inputs(b, step.meta, request_ids, num_generated)
-        proposer = self.runner.proposer
-        drafts = self.draft[bs]()[:b] if self.capture_draft else proposer.propose(inputs)
-        return proposer.finalize(drafts, inputs)
+        return self.draft[bs]()[:b]
 
     def _put(self, buffer: torch.Tensor, values: np.ndarray, fill: int | None = None, upto: int = 0) -> None:
         n = len(values)

@@ -59,7 +59,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, model: str | None = None, *, proposer_factory: ProposerFactory | None = None, **engine_args):
         """`engine_args` are EngineArgs fields; `proposer_factory` swaps in a custom draft
-        proposer (tests and benchmarks use an oracle)."""
+        proposer (the tests' oracle drafter, for example)."""
         self.args = EngineArgs(model=model, **engine_args)
         if self.args.model is None:
             raise ValueError("no model given: pass a checkpoint folder (--model DIR)")

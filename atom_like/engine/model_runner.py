@@ -81,7 +81,7 @@ class ModelRunner:
 
     def __init__(self, args: EngineArgs, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, proposer_factory: ProposerFactory | None = None):
-        """`proposer_factory` replaces the EAGLE3 proposer (tests and benchmarks use an oracle)."""
+        """`proposer_factory` replaces the EAGLE3 proposer (see LLMEngine)."""
         self.args, self.device, self.dtype = args, device, dtype
         self.block_size, self.max_model_len = args.block_size, max_model_len
         if device.type == "cuda":
@@ -131,7 +131,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if not args.enforce_eager:
             max_batch = min(args.max_num_seqs, args.max_num_batched_tokens // (self.num_spec_tokens + 1))
-            self.graphs = DecodeGraphs(self, max_batch, self.max_blocks_per_seq, scratch_block=self.num_blocks)
+            self.graphs = DecodeGraphs(self.model, self.proposer, device, self.block_size, max_batch,
+                                       self.max_blocks_per_seq, scratch_block=self.num_blocks)
 
     # ------------------------------------------------------------------ KV pool
 
@@ -233,7 +234,7 @@ class ModelRunner:
         host = batch_host_step(batch, self.block_size)
         graphed = self.graphs is not None and self.graphs.eligible(batch)
         step = self.graphs.load(host) if graphed else upload(host, self.device)
-        shift = self._follow_last_step(batch, host, step)
+        self._follow_last_step(batch, host, step)
         if graphed:
             logits = self.graphs.replay_target(len(batch.seqs))
         else:
@@ -242,7 +243,7 @@ class ModelRunner:
         prompt_logprobs = None if graphed else self._prompt_logprobs(batch, host, hidden)  # a decode graph runs no prompt
         sampling = [i for i, n in enumerate(step.rows_per_seq) if n]
         sampled = self._sample(batch, step, logits, sampling) if sampling else None
-        drafts = self._propose(batch, host, step, sampling, sampled, shift, graphed) if self.proposer else None
+        drafts = self._propose(batch, host, step, sampling, sampled, graphed) if self.proposer else None
         width = sampled.verified.token_ids.shape[1] if sampled else 1
         parts = [sampled.verified.token_ids, sampled.verified.num_accepted[:, None]] if sampled else []
         if drafts is not None and sampling:
@@ -289,14 +290,13 @@ class ModelRunner:
         self._in_flight.clear()
         self._last = None
 
-    def _follow_last_step(self, batch: StepBatch, host: HostStep, step: StepInputs) -> torch.Tensor | None:
+    def _follow_last_step(self, batch: StepBatch, host: HostStep, step: StepInputs) -> None:
         """Give the sequences that follow the previous step (SeqStep.follows) what it sampled, on
         the device: their first token is its emitted token, their drafts its proposals, and their
-        positions, slots and context lengths move by its accepted count. Returns the count per
-        sequence of the batch (0 for the others), or None when no sequence follows."""
+        positions, slots and context lengths move by its accepted count."""
         follow = [b for b, s in enumerate(batch.seqs) if s.follows]
         if not follow:
-            return None
+            return
         last = self._last
         src = torch.tensor([last.row_of[batch.seqs[b].request_id] for b in follow]).to(self.device, non_blocking=True)
         seqs = torch.tensor(follow).to(self.device, non_blocking=True)
@@ -312,9 +312,6 @@ class ModelRunner:
         step.meta.context_lens[seqs] += accepted.to(step.meta.context_lens.dtype)
         tables = step.meta.block_tables[seqs].repeat_interleave(q, dim=0)
         step.meta.slot_mapping[cols] = slots_for_positions(tables, positions.reshape(-1), self.block_size).view(-1, q)
-        shift = torch.zeros(len(batch.seqs), dtype=torch.long, device=self.device)
-        shift[seqs] = accepted
-        return shift
 
     def _sample(self, batch: StepBatch, step: StepInputs, logits: torch.Tensor, sampling: list[int]) -> Sampled:
         """Sample each sampling sequence's next token, verifying its draft tokens first if it has any
@@ -324,8 +321,7 @@ class ModelRunner:
         starts = np.concatenate([[0], np.cumsum(rows)[:-1]])
         draft_rows = np.array([s + j for s, n in zip(starts, rows) for j in range(n - 1)], dtype=np.int64)
         draft_ids = step.input_ids[step.logits_rows[torch.from_numpy(draft_rows).to(self.device, non_blocking=True)] + 1]
-        forced = self.proposer.forced_acceptance if self.proposer else None
-        return self.sampler.sample(logits, items, draft_ids, forced)
+        return self.sampler.sample(logits, items, draft_ids)
 
     def _prompt_logprobs(self, batch: StepBatch, host: HostStep,
                          hidden: torch.Tensor) -> tuple[DeviceLogprobs, list[tuple[int, int]]] | None:
@@ -353,29 +349,21 @@ class ModelRunner:
         return token_logprobs(logits, torch.tensor(targets, device=hidden.device), top_n), owners
 
     def _propose(self, batch: StepBatch, host: HostStep, step: StepInputs, sampling: list[int],
-                 sampled: Sampled | None, shift: torch.Tensor | None, graphed: bool) -> torch.Tensor:
+                 sampled: Sampled | None, graphed: bool) -> torch.Tensor:
         """The draft's proposals [S, k] for the sampling sequences, on the device. Each sequence's
         last verified row and the token after it depend on how many drafts this step accepted,
         which only the device knows."""
         qsl = host.query_start_loc
         last_rows = torch.tensor([qsl[b] + len(item.token_ids) - 1 for b, item in enumerate(batch.seqs)])
         next_tokens = torch.tensor([0 if item.samples else item.next_token_id for item in batch.seqs])
-        generated = torch.tensor([batch.seqs[i].num_generated for i in sampling], dtype=torch.long)
         last_rows, next_tokens = last_rows.to(self.device, non_blocking=True), next_tokens.to(self.device, non_blocking=True)
-        generated = generated.to(self.device, non_blocking=True)
         sampling_t = torch.tensor(sampling, dtype=torch.long).to(self.device, non_blocking=True)
         if sampled is not None:
             accepted = sampled.verified.num_accepted
             last_rows[sampling_t] += accepted
             next_tokens[sampling_t] = sampled.verified.token_ids.gather(1, accepted[:, None]).squeeze(1)
-            generated += accepted + 1
-            if shift is not None:  # the previous step's tokens, which the host has not counted yet
-                follows = torch.tensor([batch.seqs[i].follows for i in sampling]).to(self.device, non_blocking=True)
-                generated += (shift[sampling_t] + 1) * follows
-        request_ids = [batch.seqs[i].request_id for i in sampling]
-        if graphed:
-            return self.graphs.run_draft(step, last_rows, next_tokens, request_ids, generated)
         inputs = ProposeInputs(input_ids=step.input_ids, positions=step.positions, meta=step.meta,
-                               last_rows=last_rows, next_token_ids=next_tokens, sampling=sampling_t,
-                               request_ids=request_ids, num_generated=generated)
-        return self.proposer.finalize(self.proposer.propose(inputs), inputs)
+                               last_rows=last_rows, next_token_ids=next_tokens, sampling=sampling_t)
+        if graphed and self.graphs.captures_draft:
+            return self.graphs.replay_draft(inputs)
+        return self.proposer.propose(inputs)

@@ -22,7 +22,7 @@ import torch
 from atom_like.engine.step_inputs import SeqStep
 from atom_like.sampling_params import SamplingParams, TokenLogprobs
 from model_ops.logits_processors import LogitsProcessors, Penalties, TokenEntries
-from model_ops.sampling import SamplingTensors, Verified, verify
+from model_ops.sampling import SamplingTensors, Verified, Verifier, verify
 
 
 def row_sampling_tensors(params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -145,6 +145,7 @@ class Sampler:
         self.vocab_size, self.device = vocab_size, device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}  # requests that bring a seed
+        self.verifier: Verifier = verify  # which drafts a step keeps and what it emits (model_ops.sampling)
 
     def drop(self, request_ids: list[str]) -> None:
         """Forget finished requests' generators."""
@@ -158,8 +159,7 @@ class Sampler:
             self.request_generators[seq.request_id] = torch.Generator(device=self.device).manual_seed(seq.params.seed)
         return self.request_generators[seq.request_id]
 
-    def sample(self, logits: torch.Tensor, seqs: list[SeqStep], draft_ids: torch.Tensor,
-               forced_acceptance: int | None = None) -> Sampled:
+    def sample(self, logits: torch.Tensor, seqs: list[SeqStep], draft_ids: torch.Tensor) -> Sampled:
         """`logits` holds len(seq.spec_token_ids) + 1 rows per sequence; `draft_ids` their drafts,
         flattened (device values: a sequence whose drafts the host has not seen yet has
         placeholders in spec_token_ids, and only their count matters here)."""
@@ -167,8 +167,7 @@ class Sampler:
         st = row_sampling_tensors([s.params for s in seqs], [self._generator(s) for s in seqs], [n + 1 for n in num_drafts],
                                   self.vocab_size, logits.device)
         processors = row_logits_processors(seqs, logits.shape[-1], logits.device)
-        verified = verify(logits, num_drafts, draft_ids, st, self.generator, processors,
-                          forced_acceptance=forced_acceptance)
+        verified = self.verifier(logits, num_drafts, draft_ids, st, self.generator, processors)
         logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             width = verified.token_ids.shape[1]
