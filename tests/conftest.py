@@ -15,7 +15,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread, here and (through the environment) in the servers, workers and scripts the
+# tests start: the models are tiny, so a second thread buys little, and on shared cores a parallel
+# region waits for a descheduled sibling thread at every op (docs/testing.md: one file pair took
+# 95 s with two threads and 29 s with one, at load average 5 on 2 cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 TINY_LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -88,6 +88,26 @@ def test_a_block_is_found_only_after_its_own_prefix():
     assert bm.cached_prefix(Sequence("z", [5, 6, 7, 8] + shared + [10], SamplingParams())) == x.block_table[:2]
 
 
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_blocks_holding_generated_tokens_are_never_cached(lookahead):
+    """Only blocks whose key tokens are all prompt tokens become findable (module docstring): a
+    sequence decoding past its prompt caches nothing more, so a later prompt that repeats the
+    generated text hits the prompt blocks only. With a draft the key covers the next token, so
+    the prompt's last full block is left out too when that token is a generated one."""
+    bm = BlockManager(16, 4, enable_prefix_caching=True, lookahead=lookahead)
+    seq = Sequence("a", list(range(10, 18)), SamplingParams())  # 8 prompt tokens: 2 full blocks
+    assert bm.allocate(seq, [], 8)
+    for token in range(40, 50):  # the prefill, then decode steps, in Scheduler.update's order:
+        before, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_tokens  # the step's KV is written,
+        bm.cache_computed_blocks(seq, before)  # its full blocks cached, then its sampled token appended
+        seq.token_ids.append(token)
+        assert bm.ensure_capacity(seq, seq.num_tokens)
+    prompt_blocks = 2 - lookahead
+    assert sorted(bm.key_of) == sorted(seq.block_table[:prompt_blocks]), "a block holding generated tokens was cached"
+    again = Sequence("b", list(seq.token_ids) + [7], SamplingParams())
+    assert bm.cached_prefix(again) == seq.block_table[:prompt_blocks]
+
+
 def test_lru_eviction_only_when_the_pool_needs_it():
     bm = BlockManager(6, 4, enable_prefix_caching=True)
     a = computed(bm, list(range(13)))  # 4 blocks, 3 cached
