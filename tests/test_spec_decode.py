@@ -193,8 +193,9 @@ def test_speculative_sampling_keeps_the_target_distribution(target, baseline):
 
 def test_draft_builder_pool(target, make_eagle3_llama):
     draft = make_eagle3_llama(target)
+    # a fixed k: adaptive k = 0 steps skip the draft, leaving its KV unwritten there (spec_decode/adaptive.py)
     engine = LLMEngine(target, max_model_len=160, method="eagle3", draft_model=draft, num_speculative_tokens=3,
-                       num_kv_blocks=40)
+                       num_kv_blocks=40, speculative_adaptive=False)
     runner = engine.runner
     assert sorted(runner.kv_caches) == ["eagle3_kv_cache", "kv_cache"]
     pool_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches.values())
