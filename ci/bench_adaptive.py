@@ -67,21 +67,13 @@ def write_configs(folder: Path, shape: dict, dtype: str) -> tuple[str, str]:
 def forced_engine(target: str, draft: str, k: int, **engine_args):
     """A speculative engine whose verification accepts exactly min(m, drafted); returns (engine, set_m)."""
     from atom_like import LLMEngine
-    from atom_like.engine.speculative import build_eagle3_proposer
     from spec_decode.testing import ForcedAcceptance
 
-    holder = []
-
-    def factory(runner):
-        inner = build_eagle3_proposer(runner.args, runner.model, runner.dtype, runner.device, runner.kv_cache_dtype)
-        holder.append(ForcedAcceptance(inner, 0))
-        return holder[0]
-
-    engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, proposer_factory=factory,
-                       **engine_args)
+    engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, **engine_args)
+    forced = engine.runner.sampler.verifier = ForcedAcceptance(0)
 
     def set_m(m: int) -> None:
-        holder[0].forced_acceptance = m
+        forced.m = m
 
     return engine, set_m
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from oracle_proposer import OracleProposer, accept_first
+
 from atom_like import LLMEngine, SamplingParams
 from spec_decode.adaptive import AcceptanceTracker, AdaptiveDraftLength, DraftLengthPolicy, StepCosts
-from spec_decode.testing import OracleProposer, accept_first
 
 rng = np.random.default_rng(5)
 PROMPTS = [[int(x) for x in rng.integers(0, 128, n)] for n in (3, 21, 9)]
@@ -90,7 +91,7 @@ def test_switching_k_is_lossless_mla(make_deepseek, make_eagle3_mla):
 def oracle_engine(path, baseline, k, corrupt, **kwargs):
     continuations = {str(i): toks for i, toks in enumerate(baseline)}
     return LLMEngine(path, max_model_len=128, **kwargs,
-                     proposer_factory=lambda runner: OracleProposer(continuations, k, runner.vocab_size, corrupt))
+                     proposer_factory=lambda runner: OracleProposer(runner, continuations, k, corrupt))
 
 
 def run(engine, prompts, params):
