@@ -25,6 +25,7 @@ from atom_like.models.config_aliases import register_config_aliases
 from kernels_rocm.aiter_ops import detect_platform
 from model_ops.attention.backends import check_aiter_available, check_backend_choice
 from model_ops.quant.fp8 import fp8_kv_dtype
+from spec_decode.adaptive import MAX_DRAFTS
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ class EngineArgs:
     seed: int = field(default=0, metadata={"help": "Seed for requests that bring none."})
     method: str | None = field(default=None, metadata={"help": "Speculative decoding method: eagle3 (needs --draft-model)."})
     draft_model: str | None = field(default=None, metadata={"help": "EAGLE3 draft checkpoint folder (LlamaForCausalLMEagle3 or Eagle3DeepseekV2ForCausalLM)."})
-    num_speculative_tokens: int = field(default=3, metadata={"help": "Draft tokens proposed and verified per step (k >= 1)."})
+    num_speculative_tokens: int = field(default=3, metadata={"help": "Draft tokens proposed and verified per step, 1..8: with --speculative-adaptive the most a step proposes."})
+    speculative_adaptive: bool = field(default=True, metadata={"help": "With --method eagle3: choose each step's draft count k in 0..--num-speculative-tokens from the batch size, the running per-position acceptance and the decode step's cost measured at start-up (docs/adaptive_speculation.md); --no-speculative-adaptive: k = --num-speculative-tokens every step."})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,8 +102,8 @@ class EngineArgs:
         if self.method == "eagle3":
             if self.draft_model is None:
                 raise ValueError("--method eagle3 needs --draft-model DIR (an EAGLE3 draft checkpoint)")
-            if self.num_speculative_tokens < 1:
-                raise ValueError(f"--num-speculative-tokens must be >= 1; got {self.num_speculative_tokens}")
+            if not 1 <= self.num_speculative_tokens <= MAX_DRAFTS:
+                raise ValueError(f"--num-speculative-tokens must be in 1..{MAX_DRAFTS}; got {self.num_speculative_tokens}")
             if self.max_num_batched_tokens < self.num_speculative_tokens + 1:
                 raise ValueError(
                     f"--max-num-batched-tokens {self.max_num_batched_tokens} cannot hold one verify step "

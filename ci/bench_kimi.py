@@ -173,7 +173,8 @@ def build_engine(target: str, draft: str | None, k: int, **engine_args):
 
     if draft is None:
         return LLMEngine(target, **engine_args), None
-    engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, **engine_args)
+    engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, speculative_adaptive=False,
+                       **engine_args)  # k every step: the speed of k itself
     forced = engine.runner.sampler.verifier = ForcedAcceptance(k)
     return engine, forced
 

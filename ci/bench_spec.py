@@ -106,7 +106,7 @@ def run(model: str, batch_sizes: list[int], k: int, max_tokens: int, prompt_len:
         proposer.capturable = capture_draft  # False: the target step is a graph, the draft loop runs eagerly
         return proposer
 
-    spec = LLMEngine(model, proposer_factory=factory, **common)
+    spec = LLMEngine(model, proposer_factory=factory, speculative_adaptive=False, **common)  # graphs for k alone
     forced = spec.runner.sampler.verifier = ForcedAcceptance(0)
     rows = []
     for bs in batch_sizes:

@@ -292,7 +292,7 @@ def bench_zoo(results: Results, k: int = 3, max_tokens: int = 128) -> None:
                 continue
             try:
                 engine = LLMEngine(str(resolve(target)), dtype="bfloat16", method="eagle3", draft_model=str(resolve(draft)),
-                                   num_speculative_tokens=k, max_model_len=4096, max_num_seqs=64,
+                                   num_speculative_tokens=k, speculative_adaptive=False, max_model_len=4096, max_num_seqs=64,
                                    gpu_memory_utilization=0.3, tensor_parallel_size=tp)
             except Exception as exc:  # noqa: BLE001 - e.g. a pair -tp 2 cannot split (SmolLM2's 9 heads)
                 runs[tp] = dict(error=f"{type(exc).__name__}: {exc}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the GPU tests and every benchmark, results under $OUT.
 #
-#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy] [roofline] [tp] [kimi]
+#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy] [roofline] [tp] [kimi] [adaptive]
 #
 # roofline (not in the default set; one H100, < 9 min) runs ci/bench_roofline.py: the Llama-3.1-8B shape's
 # decode step vs the copy-bandwidth roofline and transformers at batch 1/16/64, a torch.profiler
@@ -15,6 +15,10 @@
 # kimi (not in the default set; one H200, 141 GB, < 10 min) runs ci/bench_kimi.py: Kimi-K2.5-MXFP4 + its
 # EAGLE3 draft at the released size as one simulated TP8 rank (--load-format dummy), speculation off /
 # k = 3 / k = 4 at concurrency 1/4/16/64, against the copy roofline; $BENCH_KIMI_ARGS passes flags (e.g. --small).
+#
+# adaptive (not in the default set; one H100, ~6-8 min) runs ci/bench_adaptive.py: the 8B Llama shape with
+# forced acceptance 0..5 and the SmolLM2 zoo pair (from $ATOM_LIKE_CACHE) at temperature 0 and 1, batch
+# 1/8/32/64/128: no speculation vs fixed k = 1..5 vs adaptive k; $BENCH_ADAPTIVE_ARGS passes flags.
 #
 # mxfp4_accuracy (not in the default set) builds tiny-kimi-mxfp4 into the zoo cache and measures its
 # accuracy against tiny-kimi, with and without fp8 KV (ci/bench_mxfp4_accuracy.py).
@@ -63,6 +67,8 @@ for part in "${parts[@]}"; do
     prefix) run gsm8k_prefix env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" OUT_DIR="$OUT/gsm8k_prefix" \
              GSM8K_COMPARE=--no-enable-prefix-caching ci/nightly_gsm8k.sh ${GSM8K_ENTRIES:-smollm2-135m smollm2-135m-eagle3} ;;
     kimi) run bench_kimi python3 ci/bench_kimi.py ${BENCH_KIMI_ARGS:-} ;;
+    adaptive) run bench_adaptive env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" \
+             python3 ci/bench_adaptive.py ${BENCH_ADAPTIVE_ARGS:-} ;;
     roofline) run bench_roofline python3 ci/bench_roofline.py ${BENCH_ROOFLINE_ARGS:-} ;;
     mxfp4_accuracy) run bench_mxfp4_accuracy python3 ci/bench_mxfp4_accuracy.py --out "$OUT" ;;
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;

@@ -11,7 +11,9 @@ After every target step that verified or prefilled tokens:
   2. k - 1 chain steps, one query per sampling sequence, carrying the draft's own hidden state:
      positions and context lengths advance by one per step (a copy, so the target's metadata is
      untouched) and each step's slot comes from the same block table.
-All inputs are device tensors, so the loop can be captured as a graph.
+k is chosen per step (0..num_spec_tokens, spec_decode/adaptive.py). The two parts are separate
+(`first_pass`, `chain`) so that decode graphs capture one first pass per verify width and one
+chain per k, not one loop per pair. All inputs are device tensors, so both can be captured.
 """
 from __future__ import annotations
 
@@ -36,16 +38,29 @@ class ProposeInputs:
     last_rows: torch.Tensor  # [B] per scheduled sequence: row of its last verified token
     next_token_ids: torch.Tensor  # [B] the token that follows that row
     sampling: torch.Tensor  # [S] indices of the sequences that get proposals
+    num_drafts: int  # k: drafts to propose per sampling sequence this step (0..num_spec_tokens)
+
+
+@dataclass
+class DraftState:
+    """What the first pass leaves for the chain steps, per sampling sequence."""
+    token_ids: torch.Tensor  # [S] the first draft token
+    carry: torch.Tensor  # [S, H] the draft's hidden for the next step
+    positions: torch.Tensor  # [S] the position of the last verified token
+    block_tables: torch.Tensor  # [S, W]
+    max_context_len: int  # the target step's bound
 
 
 class Proposer(ABC):
-    """Proposes `num_spec_tokens` draft tokens (target vocabulary ids) per sampling sequence.
+    """Proposes `inputs.num_drafts` (at most `num_spec_tokens`) draft tokens (target vocabulary
+    ids) per sampling sequence.
 
-    When `capturable`, `propose` reads only the tensors of its inputs (no host value of them), so
-    decode steps can replay it as a graph.
+    `propose` is the device work. A `capturable` proposer implements it as `first_pass` then
+    `chain`, which read only the tensors of their inputs (no host value of them), so decode
+    steps can replay each as a graph.
     """
 
-    num_spec_tokens: int
+    num_spec_tokens: int  # the most drafts one step may propose
     capturable: bool = False
 
     def kv_builders(self) -> list[KVCacheBuilder]:
@@ -55,9 +70,20 @@ class Proposer(ABC):
     def modules_to_bind(self) -> Iterable[nn.Module]:
         return ()
 
-    @abstractmethod
     def propose(self, inputs: ProposeInputs) -> torch.Tensor:
-        """[S, num_spec_tokens] proposals, on the device."""
+        """[S, inputs.num_drafts] proposals, on the device. With 0 drafts the first pass still runs: it writes
+        the draft KV of the step's rows (the runner skips the draft altogether on pure decode steps)."""
+        state = self.first_pass(inputs)
+        if inputs.num_drafts == 0 or inputs.sampling.numel() == 0:
+            return inputs.input_ids.new_empty(inputs.sampling.numel(), inputs.num_drafts)
+        return self.chain(state, inputs.num_drafts)
+
+    def first_pass(self, inputs: ProposeInputs) -> DraftState:
+        raise NotImplementedError(f"{type(self).__name__} overrides propose")
+
+    def chain(self, state: DraftState, num_drafts: int) -> torch.Tensor:
+        """[S, num_drafts]: the first pass's token, then num_drafts - 1 chain steps."""
+        raise NotImplementedError(f"{type(self).__name__} overrides propose")
 
 
 def first_pass_input_ids(input_ids: torch.Tensor, last_rows: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
@@ -103,25 +129,22 @@ class Eagle3Proposer(Proposer):
     def modules_to_bind(self) -> Iterable[nn.Module]:
         return self.draft.modules()
 
-    def propose(self, inputs: ProposeInputs) -> torch.Tensor:
+    def first_pass(self, inputs: ProposeInputs) -> DraftState:
         draft = self.draft
         ids = first_pass_input_ids(inputs.input_ids, inputs.last_rows, inputs.next_token_ids)
         hidden = draft.combine_hidden_states(self.aux.get(ids.shape[0]))
         post, pre = draft(ids, inputs.positions, hidden, inputs.meta)
-        if inputs.sampling.numel() == 0:  # only unfinished prompts: the pass above wrote their draft KV
-            return ids.new_empty(0, self.num_spec_tokens)
         rows = inputs.last_rows[inputs.sampling]
-        post, carry = post[rows], draft.carry(post, pre)[rows]
-        tokens = [draft.draft_token_ids(post)]
-        if self.num_spec_tokens == 1:
-            return tokens[0][:, None]
+        return DraftState(draft.draft_token_ids(post[rows]), draft.carry(post, pre)[rows], inputs.positions[rows],
+                          inputs.meta.block_tables[inputs.sampling], inputs.meta.max_context_len)
 
-        block_tables = inputs.meta.block_tables[inputs.sampling]
-        bound = min(inputs.meta.max_context_len + self.num_spec_tokens, block_tables.shape[1] * self.block_size)
-        positions = inputs.positions[rows].clone()
-        for _ in range(self.num_spec_tokens - 1):
+    def chain(self, state: DraftState, num_drafts: int) -> torch.Tensor:
+        draft, tokens, carry = self.draft, [state.token_ids], state.carry
+        bound = min(state.max_context_len + num_drafts, state.block_tables.shape[1] * self.block_size)
+        positions = state.positions.clone()
+        for _ in range(num_drafts - 1):
             positions += 1
-            meta = chain_step_metadata(block_tables, positions, self.block_size, bound)
+            meta = chain_step_metadata(state.block_tables, positions, self.block_size, bound)
             post, pre = draft(tokens[-1], positions, carry, meta)
             carry = draft.carry(post, pre)
             tokens.append(draft.draft_token_ids(post))

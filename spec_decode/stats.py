@@ -6,7 +6,10 @@ drafts) are never observed, so they cannot inflate the numbers (vLLM's gating, w
 ROCm/ATOM#631 adopted after prefill-only steps had inflated ATOM's acceptance).
   acceptance rate          = accepted tokens / drafted tokens
   mean acceptance length   = 1 + accepted tokens / drafts   (the bonus/correction token included)
-  per-position acceptance  = P(at least i+1 drafts accepted), the cumulative rate at position i
+  per-position acceptance  = P(at least i+1 drafts accepted | the draft had a token at position i),
+                             the cumulative rate at position i
+k may change from step to step (spec_decode/adaptive.py): a draft of d tokens counts d drafted
+tokens, and per position only the drafts that reached it (d > i) count in the denominator.
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ class SpecCounts:
     num_draft_tokens: float = 0
     num_accepted_tokens: float = 0
     accepted_per_position: list[float] = field(default_factory=list)  # drafts whose position i was accepted
-    num_speculative_tokens: int = 0
+    num_speculative_tokens: int = 0  # the most drafts a step may propose
+    drafted_per_position: list[float] = field(default_factory=list)  # drafts that had a token at position i
+    num_drafts_in_use: int = 0  # k of the latest step (a gauge, not a count: `minus` keeps the newer)
 
     @property
     def acceptance_rate(self) -> float:
@@ -36,27 +41,35 @@ class SpecCounts:
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_position]
+        # a snapshot without denominators (an older server's /metrics) had k drafts every step
+        drafted = self.drafted_per_position or [self.num_drafts] * len(self.accepted_per_position)
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, drafted, strict=True)]
 
     def minus(self, before: "SpecCounts") -> "SpecCounts":  # a snapshot type, never SpecStats
         """The counts accumulated since `before`."""
-        per_pos = [a - b for a, b in zip(self.accepted_per_position, before.accepted_per_position, strict=True)]
+        def diff(a: list[float], b: list[float]) -> list[float]:
+            return [x - y for x, y in zip(a, b, strict=True)]
+
         return type(self)(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
-                          self.num_accepted_tokens - before.num_accepted_tokens, per_pos, self.num_speculative_tokens)
+                          self.num_accepted_tokens - before.num_accepted_tokens,
+                          diff(self.accepted_per_position, before.accepted_per_position), self.num_speculative_tokens,
+                          diff(self.drafted_per_position, before.drafted_per_position), self.num_drafts_in_use)
 
 
 class SpecStats(SpecCounts):
     """The engine's counters: observed once per verification, logged every `log_every_steps` steps."""
 
     def __init__(self, num_spec_tokens: int, log_every_steps: int = 100):
-        super().__init__(accepted_per_position=[0] * num_spec_tokens, num_speculative_tokens=num_spec_tokens)
+        super().__init__(accepted_per_position=[0] * num_spec_tokens, num_speculative_tokens=num_spec_tokens,
+                         drafted_per_position=[0] * num_spec_tokens)
         self.log_every_steps = log_every_steps
         self.accepted_histogram = [0] * (num_spec_tokens + 1)  # drafts with exactly n accepted
         self.num_steps = 0
 
     def snapshot(self) -> SpecCounts:
         return SpecCounts(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                          list(self.accepted_per_position), self.num_speculative_tokens)
+                          list(self.accepted_per_position), self.num_speculative_tokens,
+                          list(self.drafted_per_position))
 
     def observe(self, drafted: int, accepted: int) -> None:
         if not 0 <= accepted <= drafted <= self.num_speculative_tokens:
@@ -66,6 +79,8 @@ class SpecStats(SpecCounts):
         self.num_accepted_tokens += accepted
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
         self.accepted_histogram[accepted] += 1
 
     def summary(self) -> str:
@@ -76,7 +91,8 @@ class SpecStats(SpecCounts):
         return (
             f"SpecDecoding: mean acceptance length {self.mean_acceptance_length:.2f}, "
             f"acceptance rate {self.acceptance_rate:.1%} ({self.num_accepted_tokens}/{self.num_draft_tokens} drafted), "
-            f"per-position [{per_pos}], accepted-count distribution {{{dist}}}"
+            f"per-position [{per_pos}], accepted-count distribution {{{dist}}}, "
+            f"mean k {self.num_draft_tokens / self.num_drafts if self.num_drafts else 0:.2f} of {self.num_speculative_tokens}"
         )
 
     def end_step(self) -> None:

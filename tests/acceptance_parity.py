@@ -17,7 +17,8 @@ def chat_prompts(tokenizer, chats) -> list[list[int]]:
 
 def engine_counts(target: str, draft: str, prompts: list[list[int]], k: int, max_new: int, **engine_args) -> list[list[int]]:
     """Per prompt (run alone, so every observed verify step is its own), accepted drafts per step."""
-    engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, **engine_args)
+    engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, speculative_adaptive=False,
+                       **engine_args)
     counts: list[int] = []
     observe = engine.spec_stats.observe
     engine.spec_stats.observe = lambda drafted, accepted: (counts.append(accepted), observe(drafted, accepted))

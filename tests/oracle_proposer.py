@@ -54,8 +54,8 @@ class OracleProposer(Proposer):
         for seq, position in zip(seqs, last):
             done, cont = position + 2 - seq.num_prompt_tokens, self.continuations[seq.request_id]
             row = []
-            for j in range(self.num_spec_tokens):
+            for j in range(inputs.num_drafts):
                 token = cont[done + j] if done + j < len(cont) else 0
                 row.append((token + 1) % self.vocab_size if self.corrupt(seq.request_id, done, j) else token)
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.long, device=inputs.input_ids.device).reshape(len(rows), self.num_spec_tokens)
+        return torch.tensor(rows, dtype=torch.long, device=inputs.input_ids.device).reshape(len(rows), inputs.num_drafts)

@@ -52,7 +52,8 @@ def frequent(baselines):
 
 
 def spec_engine(target, draft, k, **kwargs):
-    return LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k,
+    # k every step (tests/test_adaptive_spec.py varies it): the acceptance checks below count on k drafts
+    return LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, speculative_adaptive=False,
                      **{"max_model_len": MAX_LEN, **kwargs})
 
 

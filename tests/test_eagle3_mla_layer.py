@@ -106,13 +106,13 @@ def test_fc_norm_touches_only_the_aux_input(target, make_eagle3_mla, monkeypatch
 
     # in the engine, fc_norm runs once per proposal (the first pass), never in the k - 1 chain steps
     calls = {"propose": 0, "fc_norm": 0}
-    propose = Eagle3Proposer.propose
+    first_pass = Eagle3Proposer.first_pass
 
     def counting(self, inputs):
         calls["propose"] += 1
-        return propose(self, inputs)
+        return first_pass(self, inputs)
 
-    monkeypatch.setattr(Eagle3Proposer, "propose", counting)
+    monkeypatch.setattr(Eagle3Proposer, "first_pass", counting)
     engine = LLMEngine(target, max_model_len=64, method="eagle3", num_speculative_tokens=3,
                        draft_model=make_eagle3_mla(target, fc_norm=True))
     count = lambda *_: calls.__setitem__("fc_norm", calls["fc_norm"] + 1)  # noqa: E731

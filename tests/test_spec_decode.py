@@ -121,7 +121,8 @@ def test_speculative_sequence_reaches_max_model_len(target, make_eagle3_llama, n
     max_model_len, k, prompt = 48, 3, PROMPTS[1][:13]
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     engine = LLMEngine(target, method="eagle3", draft_model=make_eagle3_llama(target), num_speculative_tokens=k,
-                       max_model_len=max_model_len, max_num_seqs=1, num_kv_blocks=num_kv_blocks)
+                       max_model_len=max_model_len, max_num_seqs=1, num_kv_blocks=num_kv_blocks,
+                       speculative_adaptive=False)  # the (k + 1)-token strides below
     if forced:
         engine.runner.sampler.verifier = ForcedAcceptance(k)
     install_checks(engine, sentinel=True)
@@ -193,8 +194,9 @@ def test_speculative_sampling_keeps_the_target_distribution(target, baseline):
 
 def test_draft_builder_pool(target, make_eagle3_llama):
     draft = make_eagle3_llama(target)
+    # a fixed k: adaptive k = 0 steps skip the draft, leaving its KV unwritten there (spec_decode/adaptive.py)
     engine = LLMEngine(target, max_model_len=160, method="eagle3", draft_model=draft, num_speculative_tokens=3,
-                       num_kv_blocks=40)
+                       num_kv_blocks=40, speculative_adaptive=False)
     runner = engine.runner
     assert sorted(runner.kv_caches) == ["eagle3_kv_cache", "kv_cache"]
     pool_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches.values())
@@ -279,7 +281,7 @@ def test_bad_drafts_are_named(target, make_eagle3_llama, tmp_path, case, match):
     (dict(method="eagle3"), "needs --draft-model"),
     (dict(draft_model="x"), "without --method eagle3"),
     (dict(method="medusa", draft_model="x"), "--method 'medusa' is not supported"),
-    (dict(method="eagle3", draft_model="x", num_speculative_tokens=0), "num-speculative-tokens must be >= 1"),
+    (dict(method="eagle3", draft_model="x", num_speculative_tokens=0), r"num-speculative-tokens must be in 1\.\.8; got 0"),
 ])
 def test_bad_spec_flags(target, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -301,7 +303,7 @@ def test_forced_acceptance_for_benchmarks(target, make_eagle3_llama):
         assert verified.token_ids[2, :accepted[2]].tolist() == [6, 7, 8][:accepted[2]]
 
     engine = LLMEngine(target, max_model_len=160, method="eagle3", draft_model=make_eagle3_llama(target),
-                       num_speculative_tokens=3)
+                       num_speculative_tokens=3, speculative_adaptive=False)  # k = 3 every step
     forced = engine.runner.sampler.verifier = ForcedAcceptance(2)
     params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
     outs = engine.generate(PROMPTS, params, use_tqdm=False)

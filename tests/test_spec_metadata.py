@@ -63,7 +63,7 @@ def test_propose_metadata_after_partial_acceptance(tmp_path, make_llama, make_ea
     out = proposer.propose(ProposeInputs(
         input_ids=torch.tensor([30, 31, 32, 40, 41, 42, 43]), positions=positions, meta=meta,
         last_rows=torch.tensor([2, 4]), next_token_ids=torch.tensor([33, 55]),
-        sampling=torch.tensor([1])))
+        sampling=torch.tensor([1]), num_drafts=k))
 
     assert out.shape == (1, k)
     assert len(calls) == k

@@ -41,7 +41,8 @@ def chat_ids(engine: LLMEngine, chats: list[list[dict]]) -> list[list[int]]:
 
 def measure(args: EngineArgs, prompts_by_set: dict[str, list[list[dict]]], k: int, max_tokens: int) -> dict:
     """Run every prompt set through an engine with k draft tokens; -> {set: stats}."""
-    engine = LLMEngine.from_engine_args(dataclasses.replace(args, method="eagle3", num_speculative_tokens=k))
+    engine = LLMEngine.from_engine_args(dataclasses.replace(args, method="eagle3", num_speculative_tokens=k,
+                                                                     speculative_adaptive=False))
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     report = {}
     for name, chats in prompts_by_set.items():

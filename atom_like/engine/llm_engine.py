@@ -22,6 +22,7 @@ from atom_like.engine.tp_executor import StepExecutor, make_executor
 from atom_like.loader.weights import check_checkpoint_files
 from atom_like.models.registry import target_model_class
 from atom_like.sampling_params import RequestOutput, SamplingParams
+from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
 from spec_decode.stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class EngineStats:
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_histogram: tuple[int, ...]  # drafts with exactly n accepted, n = 0..k
+    drafted_per_position: tuple[int, ...] = ()  # drafts with a token at position i (k varies per step)
+    num_drafts_in_use: int = 0  # k of the latest step: the drafts it proposes (adaptive: 0..num_speculative_tokens)
 
 
 @dataclass
@@ -84,7 +87,15 @@ class LLMEngine:
                                    self.max_model_len, self.eos_token_ids, self.runner.num_spec_tokens)
         self.requests: dict[str, _Request] = {}
         self._finished_ids: list[str] = []  # finished since the last step; the runner drops their state
-        self._in_flight: ScheduledBatch | None = None  # launched, results not collected (overlap_scheduling)
+        self._in_flight: tuple[ScheduledBatch, int] | None = None  # launched, not collected: (batch, step number)
+        self._num_launched = 0
+        # k per step: adaptive with --method eagle3 (and --speculative-adaptive); a custom proposer
+        # (tests, benchmarks) proposes its full k unless its caller installs a policy here
+        self.draft_policy: DraftLengthPolicy | None = None
+        if self.runner.num_spec_tokens:
+            adaptive = self.args.speculative_adaptive and self.args.method == "eagle3" and proposer_factory is None
+            self.draft_policy = (AdaptiveDraftLength(self.runner.num_spec_tokens, self.runner.step_costs) if adaptive
+                                 else FixedDraftLength(self.runner.num_spec_tokens))
         self._ids = itertools.count()
         logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d, prefix caching %s", self.args.model,
                     self.device, str(self.dtype).removeprefix("torch."), self.max_model_len,
@@ -199,7 +210,8 @@ class LLMEngine:
             prefix_cache_queries=blocks.num_query_tokens, prefix_cache_hits=blocks.num_hit_tokens,
             num_speculative_tokens=spec.num_speculative_tokens, num_drafts=spec.num_drafts,
             num_draft_tokens=spec.num_draft_tokens, num_accepted_tokens=spec.num_accepted_tokens,
-            accepted_histogram=tuple(spec.accepted_histogram))
+            accepted_histogram=tuple(spec.accepted_histogram), drafted_per_position=tuple(spec.drafted_per_position),
+            num_drafts_in_use=sched.num_drafts_in_flight)
 
     # ------------------------------------------------------------------ stepping
 
@@ -229,15 +241,31 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = None
         if batch.seqs:
-            self.runner.launch(StepBatch.from_scheduled(batch, self._finished_ids))
+            k = self._num_drafts(batch)
+            self.scheduler.num_drafts_in_flight = k
+            self.runner.launch(StepBatch.from_scheduled(batch, self._finished_ids, k))
             self._finished_ids.clear()
-            launched = batch
+            launched = (batch, self._num_launched)
+            self._num_launched += 1
         if self._in_flight is not None:
             outputs += self._collect()
         self._in_flight = launched
         if launched is not None and not self.args.overlap_scheduling:
             outputs += self._collect()
         return outputs
+
+    def _num_drafts(self, batch: ScheduledBatch) -> int:
+        """k for a step: the policy's, except that a seeded sampling request pins k to its maximum
+        while it runs: its draws depend on how many drafts each step verifies, and a seed promises
+        the same tokens whatever else the server is doing (docs/adaptive_speculation.md)."""
+        if self.draft_policy is None:
+            return 0
+        k = self.draft_policy.choose(self._num_launched, sum(item.samples for item in batch.seqs))
+        if not 0 <= k <= self.runner.num_spec_tokens:
+            raise ValueError(f"the draft policy chose k={k}, outside 0..{self.runner.num_spec_tokens}")
+        if any(item.seq.params.seed is not None and item.seq.params.temperature > 0 for item in batch.seqs):
+            return self.runner.num_spec_tokens
+        return k
 
     def _needs_every_token(self) -> bool:
         """A request with a step in flight whose next step reads its token history on the host."""
@@ -248,8 +276,11 @@ class LLMEngine:
         return False
 
     def _collect(self) -> list[RequestOutput]:
-        batch, self._in_flight = self._in_flight, None
+        (batch, step), self._in_flight = self._in_flight, None
         results = self.runner.collect()
+        for item, result in zip(batch.seqs, results):
+            if item.spec_token_ids and not item.seq.finished:  # as the scheduler counts them (SpecStats)
+                self.draft_policy.observe(step, len(item.spec_token_ids), result.num_accepted)
         prompt_only = []
         for item, result in zip(batch.seqs, results):
             item.seq.prompt_logprobs.extend(result.prompt_logprobs)

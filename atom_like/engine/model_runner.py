@@ -27,7 +27,7 @@ import torch
 from transformers import PretrainedConfig
 
 from atom_like.config import EngineArgs, resolve_kv_cache_dtype, text_config
-from atom_like.engine.cuda_graph import DecodeGraphs
+from atom_like.engine.cuda_graph import BUCKETS, DecodeGraphs
 from atom_like.engine.sampler import DeviceLogprobs, Sampled, Sampler, token_logprobs
 from atom_like.engine.scheduler import SeqStepResult
 from atom_like.engine.speculative import build_eagle3_proposer
@@ -42,6 +42,7 @@ from model_ops import tp
 from model_ops.attention.kv_builder import KVCacheBuilder, PagedKVCacheBuilder
 from model_ops.attention.metadata import slots_for_positions
 from model_ops.quant.fp8 import FP8_KV_DTYPES
+from spec_decode.adaptive import StepCosts
 from spec_decode.proposer import ProposeInputs, Proposer
 
 logger = logging.getLogger(__name__)
@@ -131,8 +132,31 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if not args.enforce_eager:
             max_batch = min(args.max_num_seqs, args.max_num_batched_tokens // (self.num_spec_tokens + 1))
+            # a fixed k verifies and proposes k every decode step; an adaptive one any k in 0..k
+            counts = None if args.speculative_adaptive else [self.num_spec_tokens]
             self.graphs = DecodeGraphs(self.model, self.proposer, device, self.block_size, max_batch,
-                                       self.max_blocks_per_seq, scratch_block=self.num_blocks)
+                                       self.max_blocks_per_seq, scratch_block=self.num_blocks, draft_counts=counts)
+        self.step_costs: StepCosts | None = self._step_costs() if self.num_spec_tokens else None
+
+    def _step_costs(self) -> StepCosts:
+        """A decode step's device time per batch bucket and k, for the adaptive k policy: measured by
+        replaying the captured graphs (cached on disk: a restart on the same model and device
+        reuses the numbers), else a fixed table."""
+        if (self.graphs is None or self.device.type != "cuda" or not self.graphs.captures_draft
+                or not self.args.speculative_adaptive):
+            return StepCosts.fixed(list(BUCKETS), self.num_spec_tokens)
+        key = dict(model=self.args.model, draft=self.args.draft_model, device=torch.cuda.get_device_name(self.device),
+                   dtype=str(self.dtype), kv_cache_dtype=str(self.kv_cache_dtype), k=self.num_spec_tokens,
+                   buckets=self.graphs.buckets, tp=self.args.tensor_parallel_size, torch=torch.__version__,
+                   attention_backend=self.args.attention_backend, proposer=type(self.proposer).__name__)
+        costs = StepCosts.load(key)
+        if costs is None:
+            costs = self.graphs.profile()
+            costs.save(key)
+        logger.info("decode step costs (%s), ms at k = 0..%d: %s", costs.source, self.num_spec_tokens,
+                    "; ".join(f"batch {b}: " + " ".join(f"{t * 1e3:.2f}" for t in row)
+                              for b, row in zip(costs.buckets, costs.seconds)))
+        return costs
 
     # ------------------------------------------------------------------ KV pool
 
@@ -243,7 +267,10 @@ class ModelRunner:
         prompt_logprobs = None if graphed else self._prompt_logprobs(batch, host, hidden)  # a decode graph runs no prompt
         sampling = [i for i, n in enumerate(step.rows_per_seq) if n]
         sampled = self._sample(batch, step, logits, sampling) if sampling else None
-        drafts = self._propose(batch, host, step, sampling, sampled, graphed) if self.proposer else None
+        # k = 0 on a pure decode step skips the draft; a prompt chunk still gets its draft KV (spec_decode/adaptive.py)
+        drafting = self.proposer is not None and (batch.num_drafts > 0 or any(s.start < s.num_prompt_tokens
+                                                                             for s in batch.seqs))
+        drafts = self._propose(batch, host, step, sampling, sampled, graphed) if drafting else None
         width = sampled.verified.token_ids.shape[1] if sampled else 1
         parts = [sampled.verified.token_ids, sampled.verified.num_accepted[:, None]] if sampled else []
         if drafts is not None and sampling:
@@ -302,8 +329,9 @@ class ModelRunner:
         seqs = torch.tensor(follow).to(self.device, non_blocking=True)
         accepted = last.num_accepted[src]
         first = last.token_ids[src].gather(1, accepted[:, None])
-        q = 1 + self.num_spec_tokens
-        ids = torch.cat([first, last.drafts[src]], dim=1) if self.num_spec_tokens else first
+        k = last.drafts.shape[1] if last.drafts is not None else 0  # what the step followed proposed
+        q = 1 + k
+        ids = torch.cat([first, last.drafts[src]], dim=1) if k else first
         cols = (torch.from_numpy(host.query_start_loc[follow]).to(self.device, non_blocking=True)[:, None]
                 + torch.arange(q, device=self.device))
         step.input_ids[cols] = ids
@@ -363,7 +391,8 @@ class ModelRunner:
             last_rows[sampling_t] += accepted
             next_tokens[sampling_t] = sampled.verified.token_ids.gather(1, accepted[:, None]).squeeze(1)
         inputs = ProposeInputs(input_ids=step.input_ids, positions=step.positions, meta=step.meta,
-                               last_rows=last_rows, next_token_ids=next_tokens, sampling=sampling_t)
-        if graphed and self.graphs.captures_draft:
+                               last_rows=last_rows, next_token_ids=next_tokens, sampling=sampling_t,
+                               num_drafts=batch.num_drafts)
+        if graphed and batch.num_drafts and self.graphs.captures_draft:
             return self.graphs.replay_draft(inputs)
         return self.proposer.propose(inputs)

@@ -58,7 +58,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.eos_token_ids = max_model_len, eos_token_ids
-        self.num_spec_tokens = num_spec_tokens
+        self.num_spec_tokens = num_spec_tokens  # the most drafts a step proposes (KV is reserved for them)
+        self.num_drafts_in_flight = 0  # drafts the latest launched step proposes (LLMEngine sets it)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.spec_stats = SpecStats(num_spec_tokens)
@@ -107,7 +108,7 @@ class Scheduler:
                     i += 1
                     continue
                 shift_bound = seq.in_flight[-1][1]
-                spec, num_new = [-1] * self.num_spec_tokens, 1
+                spec, num_new = [-1] * self.num_drafts_in_flight, 1
                 if budget < num_new + len(spec):
                     break
             else:

@@ -64,13 +64,14 @@ class StepBatch:
     seqs: list[SeqStep]
     # requests finished since the previous step: the runner drops their state (seeded generators)
     finished_request_ids: list[str] = field(default_factory=list)
+    num_drafts: int = 0  # k: drafts the step proposes per sampling sequence, for the next step to verify
 
     @classmethod
-    def from_scheduled(cls, batch: ScheduledBatch, finished_request_ids: list[str]) -> "StepBatch":
+    def from_scheduled(cls, batch: ScheduledBatch, finished_request_ids: list[str], num_drafts: int = 0) -> "StepBatch":
         # the block tables are the sequences' own lists (no copies): the runner reads them before
         # the scheduler moves on, and pickling copies them for workers
         return cls([SeqStep.of(item.seq, item.start, item.num_new_tokens, item.spec_token_ids, item.samples,
-                                item.shift_bound) for item in batch.seqs], list(finished_request_ids))
+                                item.shift_bound) for item in batch.seqs], list(finished_request_ids), num_drafts)
 
 
 @dataclass

@@ -50,6 +50,7 @@ from atom_like.engine.step_inputs import StepBatch
 from atom_like.loader.quark import checkpoint_quantizer
 from atom_like.loader.weights import check_tp_slices
 from atom_like.models.registry import build_model, draft_model_class, target_model_class
+from spec_decode.adaptive import StepCosts
 from model_ops import tp
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class StepExecutor(Protocol):
     num_blocks: int
     vocab_size: int
     num_spec_tokens: int
+    step_costs: StepCosts | None  # a decode step's device time per batch and k (with a draft; rank 0's)
     failure: str | None  # why the executor can run no more steps (a rank died); None while healthy
 
     def launch(self, batch: StepBatch) -> None:
@@ -91,6 +93,7 @@ class WorkerInfo:
     num_blocks: int
     vocab_size: int
     num_spec_tokens: int
+    step_costs: StepCosts | None
     block_bytes: int  # KV bytes of one block on this rank
     param_bytes: int  # this rank's weights
 
@@ -162,7 +165,7 @@ def _rank_runner(args: EngineArgs, device: torch.device, dtype: torch.dtype, max
 
 def _info(runner: ModelRunner) -> WorkerInfo:
     return WorkerInfo(tp.rank(), str(runner.device), runner.num_blocks, runner.vocab_size, runner.num_spec_tokens,
-                      runner.block_bytes, runner.param_bytes)
+                      runner.step_costs, runner.block_bytes, runner.param_bytes)
 
 
 def _log_ranks(infos: list[WorkerInfo]) -> None:
@@ -250,7 +253,7 @@ class SpawnExecutor:
         _log_ranks(infos)
         self.infos = infos
         self.num_blocks, self.vocab_size = infos[0].num_blocks, infos[0].vocab_size
-        self.num_spec_tokens = infos[0].num_spec_tokens
+        self.num_spec_tokens, self.step_costs = infos[0].num_spec_tokens, infos[0].step_costs
         logger.info("tensor parallel: %d workers (pids %s)", self.size, [p.pid for p in self.procs])
 
     def launch(self, batch: StepBatch) -> None:
@@ -397,7 +400,7 @@ class TorchrunExecutor:
         device, self.control = _torchrun_rank(0, local_rank, args)
         self.runner = _rank_runner(args, device, dtype, max_model_len, proposer_factory)
         self.num_blocks, self.vocab_size = self.runner.num_blocks, self.runner.vocab_size
-        self.num_spec_tokens = self.runner.num_spec_tokens
+        self.num_spec_tokens, self.step_costs = self.runner.num_spec_tokens, self.runner.step_costs
         self.failure: str | None = None
         _log_ranks([_info(self.runner)])
         # at the latest at interpreter exit: the other ranks wait for rank 0's word to exit cleanly

@@ -51,6 +51,8 @@ class EngineState:
     accepted_histogram: list[int]  # drafts with exactly n accepted, n = 0..k
     prefix_cache_queries: int = 0  # tokens of admitted requests (0 while prefix caching is off)
     prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
+    drafted_per_position: list[int] | None = None  # drafts with a token at position i (None: every draft had k)
+    num_drafts_in_use: int = 0  # k of the latest step (adaptive speculation)
 
     @classmethod
     def read(cls, engine: LLMEngine, num_pending: int = 0) -> "EngineState":
@@ -58,7 +60,7 @@ class EngineState:
         s = engine.stats()
         return cls(s.num_running, s.num_waiting + num_pending, s.num_free_blocks, s.num_blocks, s.num_preemptions,
                    s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_histogram),
-                   s.prefix_cache_queries, s.prefix_cache_hits)
+                   s.prefix_cache_queries, s.prefix_cache_hits, list(s.drafted_per_position), s.num_drafts_in_use)
 
     @property
     def prefix_cache(self) -> "PrefixCacheSnapshot":
@@ -73,7 +75,9 @@ class EngineState:
         hist = self.accepted_histogram
         # Drafts whose position i was accepted are those with more than i accepted tokens.
         per_position = [sum(hist[i + 1:]) for i in range(len(hist) - 1)]
-        return SpecSnapshot(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, per_position, len(per_position))
+        drafted = self.drafted_per_position if self.drafted_per_position is not None else [self.num_drafts] * len(per_position)
+        return SpecSnapshot(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, per_position,
+                            len(per_position), list(drafted), self.num_drafts_in_use)
 
 
 class ServerMetrics:
@@ -100,7 +104,13 @@ class ServerMetrics:
         self.prefix_hits = Counter(f"{p}prefix_cache_hits", "Tokens found in the prefix cache (not recomputed).", registry=r)
         self.prefix_hit_rate = Gauge(f"{p}prefix_cache_hit_rate", "Prefix-cache hits / queries in tokens since start.",
                                      registry=r)
-        self.spec_k = Gauge(f"{p}spec_decode_num_speculative_tokens", "Draft tokens per step (0: speculation off).", registry=r)
+        self.spec_k = Gauge(f"{p}spec_decode_num_speculative_tokens", "Most draft tokens a step proposes (0: speculation off).", registry=r)
+        self.spec_k_in_use = Gauge(f"{p}spec_decode_draft_tokens_in_use",
+                                   "Draft tokens the latest step proposed (adaptive speculation chooses 0..num_speculative_tokens per step).",
+                                   registry=r)
+        self.spec_drafted_per_pos = Counter(f"{p}spec_decode_num_drafts_per_pos",
+                                            "Drafts that had a token at this position (0-based): the per-position denominator.",
+                                            ["position"], registry=r)
         self.spec_drafts = Counter(f"{p}spec_decode_num_drafts", "Verified drafts (one per sequence per step).", registry=r)
         self.spec_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "Verified draft tokens.", registry=r)
         self.spec_accepted_tokens = Counter(f"{p}spec_decode_num_accepted_tokens", "Accepted draft tokens.", registry=r)
@@ -114,6 +124,7 @@ class ServerMetrics:
         self.spec_k.set(num_speculative_tokens)
         for i in range(num_speculative_tokens):
             self.spec_accepted_per_pos.labels(str(i))
+            self.spec_drafted_per_pos.labels(str(i))
             self.spec_per_position.labels(str(i))
         # Plain totals for the stats log (prometheus_client offers no public read-back).
         self.total_prompt_tokens = 0
@@ -153,6 +164,7 @@ class ServerMetrics:
         self.prefix_hits.inc(new_cache.hits)
         self.prefix_hit_rate.set(cache.hit_rate)
         spec = state.spec
+        self.spec_k_in_use.set(state.num_drafts_in_use)
         new = spec.minus(last.spec) if last else spec
         if not new.num_drafts:
             return  # nothing verified since the last update
@@ -161,6 +173,8 @@ class ServerMetrics:
         self.spec_accepted_tokens.inc(new.num_accepted_tokens)
         for i, n in enumerate(new.accepted_per_position):
             self.spec_accepted_per_pos.labels(str(i)).inc(n)
+        for i, n in enumerate(new.drafted_per_position):
+            self.spec_drafted_per_pos.labels(str(i)).inc(n)
         self.spec_acceptance_rate.set(spec.acceptance_rate)
         self.spec_mean_acceptance_length.set(spec.mean_acceptance_length)
         for i, rate in enumerate(spec.per_position_acceptance):
@@ -202,7 +216,9 @@ class SpecSnapshot(SpecCounts):
 
     def describe(self) -> str:
         per_pos = ", ".join(f"{p:.3f}" for p in self.per_position_acceptance)
-        return (f"speculation: acceptance rate {self.acceptance_rate:.1%} ({self.num_accepted_tokens:.0f}/"
+        mean_k = self.num_draft_tokens / self.num_drafts if self.num_drafts else 0.0
+        return (f"speculation: k now {self.num_drafts_in_use} (mean {mean_k:.2f}, at most {self.num_speculative_tokens}), "
+                f"acceptance rate {self.acceptance_rate:.1%} ({self.num_accepted_tokens:.0f}/"
                 f"{self.num_draft_tokens:.0f} drafted tokens), mean acceptance length {self.mean_acceptance_length:.2f}, "
                 f"per-position [{per_pos}]")
 
@@ -210,24 +226,29 @@ class SpecSnapshot(SpecCounts):
         return {"num_speculative_tokens": self.num_speculative_tokens, "num_drafts": self.num_drafts,
                 "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
                 "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
-                "per_position_acceptance": self.per_position_acceptance}
+                "per_position_acceptance": self.per_position_acceptance, "num_drafts_in_use": self.num_drafts_in_use}
 
     @classmethod
     def parse(cls, metrics_text: str) -> "SpecSnapshot":
         """Read the speculation counters out of a /metrics page."""
         values: dict[str, float] = {}
         per_pos: dict[int, float] = {}
+        drafted: dict[int, float] = {}
         for family in text_string_to_metric_families(metrics_text):
             for sample in family.samples:
                 if sample.name == f"{PREFIX}spec_decode_num_accepted_tokens_per_pos_total":
                     per_pos[int(sample.labels["position"])] = sample.value
+                elif sample.name == f"{PREFIX}spec_decode_num_drafts_per_pos_total":
+                    drafted[int(sample.labels["position"])] = sample.value
                 else:
                     values[sample.name] = sample.value
         return cls(values.get(f"{PREFIX}spec_decode_num_drafts_total", 0.0),
                    values.get(f"{PREFIX}spec_decode_num_draft_tokens_total", 0.0),
                    values.get(f"{PREFIX}spec_decode_num_accepted_tokens_total", 0.0),
                    [per_pos[i] for i in sorted(per_pos)],
-                   int(values.get(f"{PREFIX}spec_decode_num_speculative_tokens", 0)))
+                   int(values.get(f"{PREFIX}spec_decode_num_speculative_tokens", 0)),
+                   [drafted[i] for i in sorted(per_pos)] if drafted else [],
+                   int(values.get(f"{PREFIX}spec_decode_draft_tokens_in_use", 0)))
 
     @classmethod
     def scrape(cls, base_url: str, timeout: float = 10.0) -> "SpecSnapshot":

@@ -45,7 +45,7 @@ def test_bf16_acceptance_matches_reference(target, draft):
     torch.cuda.empty_cache()
 
     engine = LLMEngine(target, dtype="bfloat16", method="eagle3", draft_model=str(resolve(draft)),
-                       num_speculative_tokens=K, max_model_len=4096, gpu_memory_utilization=0.3)
+                       num_speculative_tokens=K, speculative_adaptive=False, max_model_len=4096, gpu_memory_utilization=0.3)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 
     def engine_al(chunk: int) -> tuple[float, int]:

@@ -63,17 +63,17 @@ def test_graph_replay_matches_eager(make_llama, make_eagle3_llama, batch_size, s
     kwargs = dict(dtype="bfloat16", max_model_len=192, gpu_memory_utilization=0.3, max_num_seqs=16)
     if spec:
         kwargs.update(method="eagle3", draft_model=make_eagle3_llama(path, aux_layer_ids=[1, 4, 7]),
-                      num_speculative_tokens=3)
+                      num_speculative_tokens=3, speculative_adaptive=False)  # one k in both engines
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     batch = prompts(batch_size, seed=batch_size)
     eager = LLMEngine(path, enforce_eager=True, **kwargs)
     expected = [o.token_ids for o in eager.generate(batch, params, use_tqdm=False)]
     del eager
     graphed = LLMEngine(path, **kwargs)
-    assert graphed.runner.graphs is not None and graphed.runner.graphs.target[1].graph is not None
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.target[1, 4 if spec else 1].graph is not None
     assert [o.token_ids for o in graphed.generate(batch, params, use_tqdm=False)] == expected
     if spec:
-        assert graphed.runner.graphs.draft[1].graph is not None
+        assert graphed.runner.graphs.first_pass[1, 4].graph is not None
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
@@ -83,7 +83,7 @@ def test_graph_replay_matches_eager_mla(make_deepseek, make_eagle3_mla, batch_si
     path = make_deepseek(arch="v3", dtype=torch.bfloat16)
     draft = make_eagle3_mla(path, aux_layer_ids=(0, 1, 2))
     kwargs = dict(dtype="bfloat16", max_model_len=192, gpu_memory_utilization=0.2, max_num_seqs=8,
-                  method="eagle3", draft_model=draft, num_speculative_tokens=3)
+                  method="eagle3", draft_model=draft, num_speculative_tokens=3, speculative_adaptive=False)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     batch = [p[:40] for p in prompts(batch_size, seed=7)]
     batch = [[t % 128 for t in p] for p in batch]  # the tiny DeepSeek's vocabulary
@@ -91,5 +91,5 @@ def test_graph_replay_matches_eager_mla(make_deepseek, make_eagle3_mla, batch_si
     expected = [o.token_ids for o in eager.generate(batch, params, use_tqdm=False)]
     del eager
     graphed = LLMEngine(path, **kwargs)
-    assert graphed.runner.graphs.draft[1].graph is not None
+    assert graphed.runner.graphs.first_pass[1, 4].graph is not None
     assert [o.token_ids for o in graphed.generate(batch, params, use_tqdm=False)] == expected

@@ -99,13 +99,14 @@ def test_graphs_replay_eager_with_fp8_kv_and_a_draft(model, draft):
     In fp32: in bf16 this W4A4 model flips argmaxes on 1-ulp differences (see above), and graph
     replay is not bit-identical to eager for the MXFP4 kernels in bf16 (H100, 2026-11-22: the
     first token differs at steps 2-8; cause not yet found, see docs/benchmarks.md §6)."""
-    kw = dict(KW, dtype="float32", kv_cache_dtype="fp8", method="eagle3", draft_model=str(resolve(draft)), num_speculative_tokens=3)
+    kw = dict(KW, dtype="float32", kv_cache_dtype="fp8", method="eagle3", draft_model=str(resolve(draft)), num_speculative_tokens=3,
+              speculative_adaptive=False)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     prompts = batch(4, seed=2)
     eager = LLMEngine(model, enforce_eager=True, **kw)
     expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     del eager
     graphed = LLMEngine(model, **kw)
-    assert graphed.runner.graphs is not None and graphed.runner.graphs.draft[1].graph is not None
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.first_pass[1, 4].graph is not None
     assert [o.token_ids for o in graphed.generate(prompts, params, use_tqdm=False)] == expected
     assert graphed.runner.kv_caches["eagle3_kv_cache"].dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)

@@ -1,0 +1,181 @@
+"""How many drafts each step proposes: k from 0 (plain decoding) to num_speculative_tokens.
+
+Speculation pays when the tokens a step gains outweigh what verifying and drafting cost, and
+both sides move: acceptance falls with temperature, long contexts and off-domain prompts, and a
+verify step's cost grows with the batch. `AdaptiveDraftLength` chooses, at the launch of every
+step, the k that maximises expected tokens per second:
+
+    rate(k) = (1 + E[accepted | k]) / T(batch, k)
+
+- E[accepted | k] = sum_{j=1..k} prod_{i<j} a_i, from a_i, the running probability that draft
+  position i is accepted when every position before it was (exponentially weighted per step,
+  `AcceptanceTracker`). A position never reached borrows the estimate of the one before it.
+- T(batch, k): the device time of a decode step that verifies k drafts and proposes k more (the
+  steady state), per graph batch bucket (`StepCosts`): measured at start-up by replaying the
+  captured decode graphs, cached on disk; on CPU or without graphs a fixed table.
+
+Timing on an overlapped pipeline: the drafts a step verifies were proposed by the step before,
+so choosing k at the launch of step N decides what step N + 1 verifies. The host learns the
+accepted counts of step N - 1 only after launching step N + 1 ... so the policy uses only steps
+up to N - 2 when choosing for step N, with or without overlap: both modes then choose the same
+k for the same batches.
+
+k = 0 on a pure decode step skips the draft altogether (no cost left but the target's), so the
+draft KV of the positions such steps decode is never written; when speculation resumes the draft
+attends to those slots as they are (zeros or stale values). That costs acceptance, never
+correctness: verification is exact whatever the drafts. Steps with prompt chunks always run the
+draft's first pass, so a prompt's draft KV is never missing. While k = 0 nothing is observed, the
+weights decay and the estimate drifts back to its prior: a periodic probe, cheap where
+speculation really does not pay (one short verify every few tens of steps).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
+
+MAX_DRAFTS = 8  # the verify width the kernels are tested for: k + 1 <= 9 query tokens per sequence
+
+
+class DraftLengthPolicy(ABC):
+    """Chooses k for each step. `observe` is told of every verification of step `step` (counted
+    from 0 at the engine's first launch) once the host has read it."""
+
+    max_drafts: int
+
+    @abstractmethod
+    def choose(self, step: int, num_seqs: int) -> int:
+        """k in 0..max_drafts for step `step`, whose batch has `num_seqs` sampling sequences."""
+
+    def observe(self, step: int, drafted: int, accepted: int) -> None:
+        """One sequence of step `step` verified `drafted` drafts and accepted the first `accepted`."""
+
+
+class FixedDraftLength(DraftLengthPolicy):
+    """Today's speculation: k every step (--no-speculative-adaptive)."""
+
+    def __init__(self, k: int):
+        self.max_drafts = self.k = k
+
+    def choose(self, step: int, num_seqs: int) -> int:
+        return self.k
+
+
+class AcceptanceTracker:
+    """Exponentially weighted conditional acceptance per draft position.
+
+    Position i is *reached* by a verification that drafted more than i tokens and accepted the
+    first i; it is accepted if the verification accepted more than i. Counts decay by `decay`
+    per step; a_i = (accepted_i + w * prior_i) / (reached_i + w), with prior_0 = `prior` and
+    prior_i = a_{i-1}: a position with no recent evidence follows the one before it.
+    """
+
+    def __init__(self, max_drafts: int, decay: float = 0.95, prior: float = 0.7, prior_weight: float = 0.1):
+        self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
+        self.reached = [0.0] * max_drafts
+        self.accepted = [0.0] * max_drafts
+
+    def end_step(self, observations: list[tuple[int, int]]) -> None:
+        """Decay, then add one step's (drafted, accepted) verifications."""
+        self.reached = [x * self.decay for x in self.reached]
+        self.accepted = [x * self.decay for x in self.accepted]
+        for drafted, accepted in observations:
+            for i in range(min(accepted + 1, drafted)):
+                self.reached[i] += 1
+                self.accepted[i] += i < accepted
+
+    def rates(self) -> list[float]:
+        out, prior = [], self.prior
+        for reached, accepted in zip(self.reached, self.accepted):
+            prior = (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
+            out.append(prior)
+        return out
+
+    def expected_accepted(self) -> list[float]:
+        """E[accepted drafts] for k = 0..max_drafts."""
+        out, survive = [0.0], 1.0
+        for a in self.rates():
+            out.append(out[-1] + survive * a)
+            survive *= a
+        return out
+
+
+@dataclass
+class StepCosts:
+    """Seconds (or any common unit) of a decode step at batch bucket `buckets[b]` that verifies k
+    drafts and proposes k: `seconds[b][k]`, k = 0..max_drafts."""
+    buckets: list[int]
+    seconds: list[list[float]]
+    source: str  # "measured on <device>", "cache <path>" or "fixed table"
+
+    def step_time(self, num_seqs: int, k: int) -> float:
+        b = next((i for i, n in enumerate(self.buckets) if n >= num_seqs), len(self.buckets) - 1)
+        t = self.seconds[b][k]
+        # past the largest bucket (eager steps): grow with the batch, as a verify step does
+        return t * num_seqs / self.buckets[b] if num_seqs > self.buckets[b] else t
+
+    @classmethod
+    def fixed(cls, buckets: list[int], max_drafts: int) -> "StepCosts":
+        """Where nothing was measured (CPU, --enforce-eager): a plain step costs 1; each draft adds
+        a draft forward (0.06) and, growing with the batch, verify work (0.004 per sequence)."""
+        return cls(list(buckets), [[1.0 + k * (0.06 + 0.004 * n) for k in range(max_drafts + 1)] for n in buckets],
+                   "fixed table")
+
+    # ------------------------------------------------------------------ the on-disk cache
+
+    @staticmethod
+    def cache_path(key: dict) -> str:
+        root = os.environ.get("ATOM_LIKE_SPEC_COSTS_DIR") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "atom_like", "spec_costs")
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return os.path.join(root, f"{digest}.json")
+
+    @classmethod
+    def load(cls, key: dict) -> "StepCosts | None":
+        path = cls.cache_path(key)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if data.get("key") != key:  # a hash collision or an older format: measure again
+            return None
+        return cls(data["buckets"], data["seconds"], f"cache {path}")
+
+    def save(self, key: dict) -> None:
+        path = self.cache_path(key)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump({"key": key, **asdict(self)}, f)
+            os.replace(path + ".tmp", path)
+        except OSError as e:  # a read-only home costs a profile per start, nothing else
+            logger.warning("could not cache the decode step costs at %s: %s", path, e)
+
+
+class AdaptiveDraftLength(DraftLengthPolicy):
+    """k = argmax rate(k) (module note), from the acceptance of steps up to N - 2."""
+
+    def __init__(self, max_drafts: int, costs: StepCosts, tracker: AcceptanceTracker | None = None):
+        self.max_drafts, self.costs = max_drafts, costs
+        self.tracker = tracker or AcceptanceTracker(max_drafts)
+        self._pending: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        self._merged = -1  # the last step merged into the tracker
+
+    def observe(self, step: int, drafted: int, accepted: int) -> None:
+        if step > self._merged:  # (a step already merged cannot be observed: see choose)
+            self._pending[step].append((drafted, accepted))
+
+    def choose(self, step: int, num_seqs: int) -> int:
+        for s in range(self._merged + 1, step - 1):
+            self.tracker.end_step(self._pending.pop(s, []))
+        self._merged = max(self._merged, step - 2)
+        gain = self.tracker.expected_accepted()
+        rates = [(1 + gain[k]) / self.costs.step_time(max(num_seqs, 1), k) for k in range(self.max_drafts + 1)]
+        return max(range(self.max_drafts + 1), key=lambda k: (rates[k], -k))

@@ -1,0 +1,279 @@
+"""Speculation with the draft count k chosen per step (0..num_speculative_tokens, spec_decode/adaptive.py):
+greedy output identical to no speculation while k switches every step (0 included), on the MHA
+and MLA drafts, overlapped and not, eager and through the static decode path; statistics equal a
+hand count; the policy's arithmetic, its lag, its probes and its cost cache.
+
+Costs (2 shared cores): the policy tests are instant; each engine test builds tiny fp32 models
+(a few seconds each); the whole file ~1-2 min."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oracle_proposer import OracleProposer, accept_first
+
+from atom_like import LLMEngine, SamplingParams
+from spec_decode.adaptive import AcceptanceTracker, AdaptiveDraftLength, DraftLengthPolicy, StepCosts
+
+rng = np.random.default_rng(5)
+PROMPTS = [[int(x) for x in rng.integers(0, 128, n)] for n in (3, 21, 9)]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PATTERN = (0, 3, 1, 5, 0, 0, 2, 4, 1, 5, 3)  # k per step: switches every step, 0 twice in a row, up to 5 > 3
+
+
+class Cycle(DraftLengthPolicy):
+    """k = pattern[step % len]: a forced pattern, and a log of what was chosen and observed."""
+
+    def __init__(self, pattern, max_drafts):
+        self.pattern, self.max_drafts = pattern, max_drafts
+        self.chosen, self.observed = [], []
+
+    def choose(self, step, num_seqs):
+        self.chosen.append(self.pattern[step % len(self.pattern)])
+        return self.chosen[-1]
+
+    def observe(self, step, drafted, accepted):
+        self.observed.append((step, drafted, accepted))
+
+
+def generate(engine, prompts=PROMPTS, params=GREEDY):
+    return [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_no_leak(engine):
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.fixture(scope="module")
+def llama(make_llama):
+    path = make_llama(num_hidden_layers=4, seed=2)
+    return path, generate(LLMEngine(path, max_model_len=128))
+
+
+# ----------------------------------------------------------------------------- lossless while k switches
+
+@pytest.mark.parametrize("overlap,eager", [(True, False), (False, False), (True, True)])
+def test_switching_k_is_lossless_mha(llama, make_eagle3_llama, overlap, eager):
+    path, baseline = llama
+    engine = LLMEngine(path, max_model_len=128, method="eagle3", draft_model=make_eagle3_llama(path, aux_layer_ids=[0, 1, 2]),
+                       num_speculative_tokens=5, overlap_scheduling=overlap, enforce_eager=eager)
+    engine.draft_policy = policy = Cycle(PATTERN, 5)
+    assert generate(engine) == baseline
+    assert set(policy.chosen) == set(PATTERN)
+    assert {d for _, d, _ in policy.observed} == set(PATTERN) - {0}  # every k > 0 was verified
+    assert_no_leak(engine)
+
+
+def test_switching_k_is_lossless_mla(make_deepseek, make_eagle3_mla):
+    """MLA target and draft, overlapped through the static path vs synchronous and eager: the same
+    tokens as without a draft, and the same proposals step for step (a wrong first-pass width,
+    chain or row layout shows there even where verification keeps the tokens right)."""
+    target = make_deepseek(arch="v3")
+    prompts, params = PROMPTS[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # the MoE target is slow
+    baseline = generate(LLMEngine(target, max_model_len=64), prompts, params)
+    draft = make_eagle3_mla(target, aux_layer_ids=(0, 1, 2))
+    proposals = []
+    for overlap, eager in ((True, False), (False, True)):
+        engine = LLMEngine(target, max_model_len=64, method="eagle3", draft_model=draft, num_speculative_tokens=5,
+                           overlap_scheduling=overlap, enforce_eager=eager)
+        engine.draft_policy = policy = Cycle(PATTERN, 5)
+        seen, collect = [], engine.runner.collect
+        engine.runner.collect = lambda: seen.append(collect()) or seen[-1]
+        assert generate(engine, prompts, params) == baseline
+        assert {d for _, d, _ in policy.observed} >= {1, 3, 5}
+        assert_no_leak(engine)
+        proposals.append([[r.draft_token_ids for r in results] for results in seen[:12]])  # before any zombie step
+    assert proposals[0] == proposals[1]
+    assert {len(d) for step in proposals[0] for d in step} >= {0, 1, 2, 3, 4, 5}
+
+
+def oracle_engine(path, baseline, k, corrupt, **kwargs):
+    continuations = {str(i): toks for i, toks in enumerate(baseline)}
+    return LLMEngine(path, max_model_len=128, **kwargs,
+                     proposer_factory=lambda runner: OracleProposer(runner, continuations, k, corrupt))
+
+
+def run(engine, prompts, params):
+    ids = [engine.add_request(p, params, request_id=str(i)) for i, p in enumerate(prompts)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[i] for i in ids]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stats_equal_a_hand_count(llama, overlap):
+    """One request, drafts accepted up to position m, k from the pattern: every count by hand."""
+    path, baseline = llama
+    k, m, max_tokens = 5, 2, 22
+    engine = oracle_engine(path, baseline, k, accept_first(m), overlap_scheduling=overlap)
+    engine.draft_policy = Cycle(PATTERN, k)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    assert run(engine, PROMPTS[:1], params) == [baseline[0][:max_tokens]]
+
+    drafts = draft_tokens = accepted_total = 0
+    accepted, drafted, hist = [0] * k, [0] * k, [0] * (k + 1)
+    generated, step = 1, 1  # step 0 prefilled and sampled one token; step s verifies what step s - 1 proposed
+    while generated < max_tokens:
+        d = PATTERN[(step - 1) % len(PATTERN)]
+        a = min(m, d)
+        if d:
+            drafts, draft_tokens, accepted_total = drafts + 1, draft_tokens + d, accepted_total + a
+            hist[a] += 1
+            for i in range(d):
+                drafted[i] += 1
+                accepted[i] += i < a
+        generated += a + 1
+        step += 1
+    s = engine.spec_stats
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (drafts, draft_tokens, accepted_total)
+    assert (s.accepted_per_position, s.drafted_per_position, s.accepted_histogram) == (accepted, drafted, hist)
+    assert s.per_position_acceptance == [x / y if y else 0.0 for x, y in zip(accepted, drafted)]
+    assert s.per_position_acceptance[:m] == [1.0] * m and s.per_position_acceptance[m] == 0.0
+    stats = engine.stats()
+    assert stats.num_drafts_in_use in PATTERN and list(stats.drafted_per_position) == drafted
+    assert_no_leak(engine)
+
+
+def test_metrics_show_k_and_exact_per_position_rates():
+    from atom_like.entrypoints.metrics import EngineState, ServerMetrics, SpecSnapshot
+    from prometheus_client import generate_latest
+
+    metrics = ServerMetrics(3)
+    # 4 drafts: k = 3, 1, 0 (not a draft), 2 with 2, 1, -, 0 accepted: histogram [1, 1, 1, 0]
+    state = EngineState(1, 0, 10, 16, 0, 3, 6, 3, [1, 1, 1, 0], drafted_per_position=[3, 2, 1], num_drafts_in_use=2)
+    metrics.update(state)
+    page = generate_latest(metrics.registry).decode()
+    assert "atom_like:spec_decode_draft_tokens_in_use 2.0" in page
+    back = SpecSnapshot.parse(page)
+    assert back.drafted_per_position == [3, 2, 1] and back.num_drafts_in_use == 2
+    assert back.per_position_acceptance == pytest.approx([2 / 3, 1 / 2, 0.0])
+    assert "k now 2 (mean 2.00, at most 3)" in back.describe()
+
+
+# ----------------------------------------------------------------------------- the policy
+
+def test_tracker_arithmetic():
+    t = AcceptanceTracker(3, decay=0.5, prior=0.6, prior_weight=1.0)
+    t.end_step([(3, 1), (2, 2), (1, 0)])  # reached: pos0 3, pos1 2, pos2 0; accepted: pos0 2, pos1 1
+    assert t.reached == [3, 2, 0] and t.accepted == [2, 1, 0]
+    a0 = (2 + 0.6) / 4
+    a1 = (1 + a0) / 3
+    assert t.rates() == pytest.approx([a0, a1, a1])  # position 2: no evidence, follows position 1
+    assert t.expected_accepted() == pytest.approx([0, a0, a0 + a0 * a1, a0 + a0 * a1 + a0 * a1 * a1])
+    t.end_step([])
+    assert t.reached == [1.5, 1.0, 0.0]
+
+
+def forced_run(m, steps=200, num_seqs=8, k=5):
+    """The policy against verification that accepts exactly min(m, drafted): the k it settles on."""
+    policy = AdaptiveDraftLength(k, StepCosts.fixed([1, 8, 64], k))
+    chosen = []
+    for step in range(steps):
+        chosen.append(policy.choose(step, num_seqs))
+        if step and chosen[step - 1]:  # what step - 1 proposed is verified now, and seen a step later
+            for _ in range(num_seqs):
+                policy.observe(step, chosen[step - 1], min(m, chosen[step - 1]))
+    return chosen
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 5])
+def test_policy_settles_on_the_forced_length(m):
+    chosen = forced_run(m)
+    # the rest: probes of position m (its evidence decays toward position m - 1's), 3 steps each (the lag)
+    assert chosen[100:].count(m) >= 90, chosen
+
+
+def test_policy_stops_drafting_and_probes_when_nothing_is_accepted():
+    chosen = forced_run(0, steps=400)
+    starts = [s for s in range(50, 400) if chosen[s] and not chosen[s - 1]]
+    # a k = 1 probe every few tens of steps (3 steps long: the 2-step lag), the rest plain decoding
+    assert 2 <= len(starts) <= 8 and sum(map(bool, chosen[50:])) <= 3 * len(starts) and max(chosen[50:]) == 1, chosen
+
+
+def test_policy_uses_only_steps_two_back():
+    """choose(N) sees steps <= N - 2, with or without overlap: step N - 1 may still be in flight."""
+    policy = AdaptiveDraftLength(3, StepCosts.fixed([8], 3))
+    assert policy.choose(0, 8) == 3  # the prior: speculate
+    for _ in range(8):
+        policy.observe(1, 3, 0)
+    policy.choose(2, 8)
+    assert policy.tracker.reached == [0, 0, 0]  # step 1 not merged at step 2
+    assert policy.choose(3, 8) == 0 and policy.tracker.reached[0] == 8
+
+
+def test_costs_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATOM_LIKE_SPEC_COSTS_DIR", str(tmp_path))
+    key = dict(model="m", device="d", k=2)
+    assert StepCosts.load(key) is None
+    costs = StepCosts([1, 8], [[1.0, 1.2, 1.5], [2.0, 2.6, 3.4]], "measured on d")
+    costs.save(key)
+    back = StepCosts.load(key)
+    assert (back.buckets, back.seconds) == (costs.buckets, costs.seconds) and back.source.startswith("cache ")
+    assert StepCosts.load(dict(key, k=3)) is None
+    assert back.step_time(5, 1) == 2.6 and back.step_time(16, 2) == pytest.approx(6.8)  # bucket 8; past it, scaled
+
+
+def test_adaptive_engine_is_lossless_and_follows_acceptance(llama):
+    """The real policy in the engine (CPU: the fixed cost table): all drafts accepted -> k stays
+    high; none -> k drops to 0 after the first verifications; the tokens never change."""
+    path, baseline = llama
+    for m, expect in ((5, 5), (0, 0)):
+        engine = oracle_engine(path, baseline, 5, accept_first(m))
+        engine.draft_policy = policy = AdaptiveDraftLength(5, engine.runner.step_costs)
+        chosen = []
+        choose = policy.choose
+        policy.choose = lambda step, n: chosen.append(choose(step, n)) or chosen[-1]
+        assert run(engine, PROMPTS, GREEDY) == baseline
+        assert chosen[-1] == expect, chosen
+        assert_no_leak(engine)
+
+
+def test_adaptive_is_the_default_with_eagle3(llama, make_eagle3_llama):
+    path, _ = llama
+    draft = make_eagle3_llama(path, aux_layer_ids=[0, 1, 2])
+    on = LLMEngine(path, max_model_len=128, method="eagle3", draft_model=draft, num_speculative_tokens=8)
+    assert isinstance(on.draft_policy, AdaptiveDraftLength) and on.draft_policy.max_drafts == 8
+    off = LLMEngine(path, max_model_len=128, method="eagle3", draft_model=draft, speculative_adaptive=False)
+    assert type(off.draft_policy).__name__ == "FixedDraftLength"
+    with pytest.raises(ValueError, match=r"num-speculative-tokens must be in 1\.\.8; got 9"):
+        LLMEngine(path, method="eagle3", draft_model=draft, num_speculative_tokens=9)
+
+
+@pytest.mark.parametrize("drafter", ["mha", "mla"])
+def test_k8_past_65535_blocks_on_triton(make_llama, make_deepseek, make_eagle3_llama, make_eagle3_mla, drafter):
+    """k up to 8 (verify width 9) through the Triton kernels (interpreter) with every block id
+    >= 65,600: MHA draft on a Llama target, MLA draft on a DeepSeek-V3 target."""
+    if drafter == "mha":
+        target = make_llama(num_hidden_layers=2, seed=3)
+        draft = make_eagle3_llama(target, aux_layer_ids=[0, 1, 2])
+    else:
+        target = make_deepseek(arch="v3")
+        draft = make_eagle3_mla(target, aux_layer_ids=(0, 1, 2))
+    prompts, params = PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    kwargs = dict(max_model_len=48, block_size=2, num_kv_blocks=70_000, attention_backend="triton", enforce_eager=True)
+    baseline = generate(LLMEngine(target, **kwargs), prompts, params)
+    engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=8, **kwargs)
+    engine.draft_policy = policy = Cycle((8, 0, 6, 8, 4), 8)
+    engine.block_manager.free_blocks.rotate(-65_600)  # hand out ids >= 65,600 first
+    assert generate(engine, prompts, params) == baseline
+    assert {d for _, d, _ in policy.observed} >= {8, 6}
+    engine.block_manager.free_blocks.rotate(65_600)
+    assert_no_leak(engine)
+
+
+def test_a_seeded_sampling_request_pins_k(llama, make_eagle3_llama):
+    """Its draws depend on the drafts each step verifies: while it runs every step proposes the
+    full k, so its tokens are the same alone and next to others, whatever the policy says."""
+    path, _ = llama
+    draft = make_eagle3_llama(path, aux_layer_ids=[0, 1, 2])
+    seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    outs = []
+    for pattern, prompts, params in (((0, 3, 1), PROMPTS[:1], seeded), ((2, 0, 5, 4), PROMPTS, [seeded, GREEDY, GREEDY])):
+        engine = LLMEngine(path, max_model_len=128, method="eagle3", draft_model=draft, num_speculative_tokens=5)
+        engine.draft_policy = Cycle(pattern, 5)
+        outs.append(engine.generate(prompts, params, use_tqdm=False)[0].token_ids)
+    assert outs[0] == outs[1]
