@@ -59,7 +59,7 @@ class EngineArgs:
     method: str | None = field(default=None, metadata={"help": "Speculative decoding method: eagle3 (needs --draft-model)."})
     draft_model: str | None = field(default=None, metadata={"help": "EAGLE3 draft checkpoint folder (LlamaForCausalLMEagle3 or Eagle3DeepseekV2ForCausalLM)."})
     num_speculative_tokens: int = field(default=3, metadata={"help": "Draft tokens proposed and verified per step, 1..8: with --speculative-adaptive the most a step proposes."})
-    speculative_adaptive: bool = field(default=True, metadata={"help": "With --method eagle3: choose each step's draft count k in 0..--num-speculative-tokens from the batch size, the running per-position acceptance and the decode step's cost measured at start-up (docs/adaptive_speculation.md); --no-speculative-adaptive: k = --num-speculative-tokens every step."})
+    speculative_adaptive: bool = field(default=False, metadata={"help": "Opt-in, with --method eagle3: choose each step's draft count k in 0..--num-speculative-tokens from the batch size, the running per-position acceptance and the decode step's cost measured at start-up (docs/adaptive_speculation.md); --no-speculative-adaptive: k = --num-speculative-tokens every step."})
 
     def __post_init__(self) -> None:
         self.validate()

@@ -69,7 +69,8 @@ def forced_engine(target: str, draft: str, k: int, **engine_args):
     from atom_like import LLMEngine
     from spec_decode.testing import ForcedAcceptance
 
-    engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, **engine_args)
+    engine = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, speculative_adaptive=True,
+                       **engine_args)
     forced = engine.runner.sampler.verifier = ForcedAcceptance(0)
 
     def set_m(m: int) -> None:
@@ -188,7 +189,8 @@ def run_zoo(args, out: dict) -> None:
     if prompts is None:
         out["meta"]["zoo_skipped"] = "no GSM8K or ShareGPT prompts installed"
         return
-    spec = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, **common)
+    spec = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, speculative_adaptive=True,
+                     **common)
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=None)
         for bs in batches:
