@@ -53,15 +53,9 @@ class DraftState:
 
 class Proposer(ABC):
     """Proposes `inputs.num_drafts` (at most `num_spec_tokens`) draft tokens (target vocabulary
-    ids) per sampling sequence.
-
-    `propose` is the device work. A `capturable` proposer implements it as `first_pass` then
-    `chain`, which read only the tensors of their inputs (no host value of them), so decode
-    steps can replay each as a graph.
-    """
+    ids) per sampling sequence; `propose` is the device work."""
 
     num_spec_tokens: int  # the most drafts one step may propose
-    capturable: bool = False
 
     def kv_builders(self) -> list[KVCacheBuilder]:
         """Builders for the draft's own KV; the runner adds them to the pool."""
@@ -70,20 +64,35 @@ class Proposer(ABC):
     def modules_to_bind(self) -> Iterable[nn.Module]:
         return ()
 
+    @abstractmethod
     def propose(self, inputs: ProposeInputs) -> torch.Tensor:
-        """[S, inputs.num_drafts] proposals, on the device. With 0 drafts the first pass still runs: it writes
-        the draft KV of the step's rows (the runner skips the draft altogether on pure decode steps)."""
+        """[S, inputs.num_drafts] proposals, on the device."""
+
+
+class ChainProposer(Proposer):
+    """A proposer made of a first pass over the target step's rows and a chain of one-query
+    steps. Both read only the tensors of their inputs (no host value of them), so decode steps
+    replay each as a graph when `capturable` (DecodeGraphs: one first pass per verify width, one
+    chain per k)."""
+
+    capturable: bool = True
+
+    def propose(self, inputs: ProposeInputs) -> torch.Tensor:
+        """With 0 drafts the first pass still runs: it writes the draft KV of the step's rows (the
+        runner skips the draft altogether on pure decode steps)."""
         state = self.first_pass(inputs)
         if inputs.num_drafts == 0 or inputs.sampling.numel() == 0:
             return inputs.input_ids.new_empty(inputs.sampling.numel(), inputs.num_drafts)
         return self.chain(state, inputs.num_drafts)
 
+    @abstractmethod
     def first_pass(self, inputs: ProposeInputs) -> DraftState:
-        raise NotImplementedError(f"{type(self).__name__} overrides propose")
+        """Writes the draft KV of every row of the target step and drafts each sampling
+        sequence's first token."""
 
+    @abstractmethod
     def chain(self, state: DraftState, num_drafts: int) -> torch.Tensor:
         """[S, num_drafts]: the first pass's token, then num_drafts - 1 chain steps."""
-        raise NotImplementedError(f"{type(self).__name__} overrides propose")
 
 
 def first_pass_input_ids(input_ids: torch.Tensor, last_rows: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
@@ -108,10 +117,8 @@ def chain_step_metadata(block_tables: torch.Tensor, positions: torch.Tensor, blo
     )
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(ChainProposer):
     """Runs an EAGLE3 draft over the aux hidden states the target writes into `aux`."""
-
-    capturable = True
 
     def __init__(self, draft: Eagle3Draft, aux: AuxHiddenStates, num_spec_tokens: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, attention_backend: str = "auto",

@@ -2,7 +2,10 @@
 
 The pools hold 66,048 blocks (small rows keep them near 70 MB) and the block tables use only ids
 >= 65,536, including the last block of the pool. Byte offsets past 4 GiB need GPU memory and are
-covered in tests/gpu/test_kernels_gpu.py.
+covered in tests/gpu/test_kernels_gpu.py. Two batch layouts: decode + verify + prefill, and the
+verify widths adaptive speculation allows (k up to 8: query lengths up to 9 per sequence; aiter's
+MLA decode takes only 1, 2 or 4 query rows, kernels_rocm/aiter_ops.py: MLA_QUERY_LENS, so these
+widths run on Triton on every backend).
 """
 from __future__ import annotations
 
@@ -19,13 +22,17 @@ from model_ops.quant.fp8 import dequantize_fp8, quantize_fp8
 NUM_BLOCKS = 65_536 + 512
 FIRST_HIGH_BLOCK = 65_536
 BLOCK_SIZE = 16
-Q_LENS, CTX_LENS = [1, 4, 33], [40, 100, 33]  # decode, verify, prefill
+LAYOUTS = {  # (query lengths, context lengths): contexts across block edges
+    "decode-verify-prefill": ([1, 4, 33], [40, 100, 33]),
+    "verify-up-to-k8": ([9, 6, 1, 5, 8], [40, 17, 33, 9, 70]),  # widths k + 1 for k = 8, 5, 4, 7 and a decode row
+}
 
 
-@pytest.fixture(scope="module")
-def meta():
-    meta = make_metadata(Q_LENS, CTX_LENS, BLOCK_SIZE, NUM_BLOCKS, torch.Generator().manual_seed(0), FIRST_HIGH_BLOCK)
-    assert meta.block_tables[0, 0] == NUM_BLOCKS - 1
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def meta(request):
+    q_lens, ctx_lens = LAYOUTS[request.param]
+    meta = make_metadata(q_lens, ctx_lens, BLOCK_SIZE, NUM_BLOCKS, torch.Generator().manual_seed(0), FIRST_HIGH_BLOCK)
+    assert meta.block_tables[0, 0] == NUM_BLOCKS - 1 and meta.max_query_len == max(q_lens)
     return meta
 
 
@@ -39,7 +46,7 @@ def _assert_written_exactly(cache, before, slots):
 
 def test_mha_write_then_attend(meta):
     g = torch.Generator().manual_seed(1)
-    num_tokens, heads, dim = sum(Q_LENS), 1, 16
+    num_tokens, heads, dim = meta.slot_mapping.numel(), 1, 16
     # a guard block before each cache: a write to the skipped slot lands there, not outside the tensor
     pool = torch.randn(2, NUM_BLOCKS + 1, BLOCK_SIZE, heads, dim, generator=g)
     k_cache, v_cache = pool[:, 1:]
@@ -66,7 +73,7 @@ def test_mha_write_then_attend(meta):
 
 def test_mla_write_then_attend(meta):
     g = torch.Generator().manual_seed(2)
-    num_tokens, latent, rope, heads = sum(Q_LENS), 8, 8, 4
+    num_tokens, latent, rope, heads = meta.slot_mapping.numel(), 8, 8, 4
     kv_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, latent + rope, generator=g)
     before = kv_cache.clone()
     c_kv = torch.randn(num_tokens, latent, generator=g)
@@ -93,7 +100,7 @@ def test_fp8_write_then_attend(meta, kind):
     """The same with fp8 caches (1-byte elements: the block stride in bytes differs from the
     fp32 case above); e4m3fn for MHA, e4m3fnuz for MLA."""
     g = torch.Generator().manual_seed(3)
-    num_tokens, dim = sum(Q_LENS), 16
+    num_tokens, dim = meta.slot_mapping.numel(), 16
     dtype = torch.float8_e4m3fn if kind == "mha" else torch.float8_e4m3fnuz
     scale = torch.tensor([0.75])
     shape = (NUM_BLOCKS, BLOCK_SIZE, 1, dim) if kind == "mha" else (NUM_BLOCKS, BLOCK_SIZE, dim)

@@ -31,7 +31,7 @@ from atom_like.engine.step_inputs import HostStep, StepBatch, StepInputs
 from atom_like.models.base import CausalLM
 from model_ops.attention.metadata import AttentionMetadata
 from spec_decode.adaptive import StepCosts
-from spec_decode.proposer import DraftState, ProposeInputs, Proposer
+from spec_decode.proposer import ChainProposer, DraftState, ProposeInputs, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class _Replayable:
 class DecodeGraphs:
     def __init__(self, model: CausalLM, proposer: Proposer | None, device: torch.device, block_size: int,
                  max_batch: int, width: int, scratch_block: int, draft_counts: list[int] | None = None):
-        """Captures `model`'s decode step and, when `proposer` is capturable, its draft first pass
+        """Captures `model`'s decode step and, when `proposer` is a capturable ChainProposer, its draft first pass
         and chains, for batches up to `max_batch` sequences; `width` is the block-table width,
         `scratch_block` a block id outside the block manager's range; `draft_counts` the k a step
         may verify or propose (default 0..num_spec_tokens): graphs are captured for those only,
@@ -90,7 +90,7 @@ class DecodeGraphs:
         counts = sorted(set(range(self.k + 1) if draft_counts is None else draft_counts))
         widths = [k + 1 for k in counts]
 
-        self.captures_draft = proposer is not None and proposer.capturable
+        self.captures_draft = isinstance(proposer, ChainProposer) and proposer.capturable
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.target: dict[tuple[int, int], _Replayable] = {}
         self.first_pass: dict[tuple[int, int], _Replayable] = {}
