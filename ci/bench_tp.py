@@ -4,10 +4,14 @@ Three parts, each writing its results as soon as it has them:
 * allreduce: the collectives of one decode step, alone: per layer two all-reduces of [batch, H]
   bf16 (attention o_proj, MLP / MoE), one for the embedding, one all-gather of the logits
   [batch, V/2]; timed eagerly and replayed as one CUDA graph (what the engine's graphs do), on
-  two ranks over NCCL. Run first, while the GPUs are otherwise idle.
+  two ranks over NCCL, and replayed with the all-reduces up to 1 MiB on the one-shot kernel
+  (model_ops.tp.OneShotAllReduce, the engine's default on one host); then one all-reduce of
+  8 KiB .. 4 MiB alone, NCCL against one-shot, after checking the two sums are the same bits.
+  Run first, while the GPUs are otherwise idle.
 * speed: decode tokens/s at each batch size (default 1 and 32) for an 8B Llama-shaped model
   (Llama-3.1-8B's shape) and the ~2B DeepSeek-V3-shaped MoE of ci/bench_models.py, random-init
-  bf16 checkpoints written here, -tp 1 and -tp 2; the per-rank weight bytes; the step time the
+  bf16 checkpoints written here, -tp 1, -tp 2 with NCCL only (--disable-custom-all-reduce) and
+  -tp 2 with the one-shot all-reduce (the default); the per-rank weight bytes; the step time the
   measured collectives take up. Methodology as bench_models.py (prompt 64 random tokens,
   64 generated, ignore_eos, greedy, one untimed warm-up; prefill excluded). Each step ends in a
   host read of the sampled tokens, so timing engine.step() needs no extra synchronisation.
@@ -79,7 +83,7 @@ def model_configs():
 class Results:
     def __init__(self, out_dir: str, meta: dict):
         self.path = os.path.join(out_dir, "bench_tp.json")
-        self.data = dict(meta=meta, allreduce=[], speed=[], zoo=[], mxfp4=[], params={}, errors=[])
+        self.data = dict(meta=meta, allreduce=[], allreduce_sweep=[], speed=[], zoo=[], mxfp4=[], params={}, errors=[])
         self.out_dir = out_dir
         self.budget_s = meta["args"]["budget_s"]
 
@@ -112,39 +116,69 @@ def collective_plan(config, batch: int) -> list[tuple[str, tuple[int, ...]]]:
             + [("all_gather", (batch, config.vocab_size // TP))])
 
 
+SWEEP_BYTES = [2**k for k in range(13, 23)]  # 8 KiB .. 4 MiB: one all-reduce of each size
+
+
 def _allreduce_rank(rank: int, store: str, plans: dict, queue) -> None:
     import torch.distributed as dist
 
+    from model_ops import tp
+
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=TP)
-    results = {}
+    one_shot = tp.OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), max_bytes=max(SWEEP_BYTES))
+
+    def timed(fn, n: int = 50) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    def graph_ms(fn) -> float:
+        fn()  # warm-up outside the capture (NCCL's and symmetric memory's lazy set-up)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return timed(graph.replay)
+
+    def nccl_sum(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    # the one-shot sum must be NCCL's, bit for bit, at two ranks (a + b either way)
+    torch.manual_seed(rank)
+    for nbytes in (SWEEP_BYTES[0], 3 * SWEEP_BYTES[0], max(SWEEP_BYTES)):
+        x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+        if not torch.equal(one_shot(x), nccl_sum(x.clone())):
+            raise AssertionError(f"one-shot all-reduce of {nbytes} B differs from NCCL's")
+    for nbytes in SWEEP_BYTES:  # one collective alone, graph-replayed: µs a call
+        x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+        row = {name: 1e3 * graph_ms(lambda: [fn(x) for _ in range(20)]) / 20
+               for name, fn in (("nccl_us", nccl_sum), ("one_shot_us", one_shot))}
+        if rank == 0:
+            queue.put((f"sweep/{nbytes}", row))
     for key, plan in plans.items():
         bufs = [torch.randn(shape, dtype=torch.bfloat16, device="cuda") for _, shape in plan]
         outs = [torch.empty((TP * b.shape[0], *b.shape[1:]), dtype=b.dtype, device="cuda") for b in bufs]
 
-        def step() -> None:
+        def step(reduce) -> None:
             for (op, _), buf, out in zip(plan, bufs, outs):
                 if op == "all_reduce":
-                    dist.all_reduce(buf)
+                    reduce(buf)
                 else:
                     dist.all_gather_into_tensor(out, buf)
 
-        def timed(fn, n: int = 50) -> float:
-            fn()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / n
+        def small(x: torch.Tensor) -> torch.Tensor:
+            return one_shot(x) if one_shot.accepts(x) and x.numel() * x.element_size() <= tp.ONE_SHOT_MAX_BYTES else nccl_sum(x)
 
-        eager = timed(step)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        row = dict(eager_ms=eager, graph_ms=timed(graph.replay), collectives=len(plan))
+        row = dict(eager_ms=timed(lambda: step(nccl_sum)), graph_ms=graph_ms(lambda: step(nccl_sum)),
+                   one_shot_graph_ms=graph_ms(lambda: step(small)), collectives=len(plan))
         if rank == 0:  # each result as soon as it exists: a later hang loses only what follows
             queue.put((key, row))
     if rank == 0:
@@ -180,8 +214,11 @@ def bench_allreduce(results: Results, names: list[str], batches: list[int]) -> N
             if item is None:
                 break
             key, row = item
-            name, batch = key.split("/")
-            results.add("allreduce", dict(model=name, batch=int(batch), **row))
+            name, size = key.split("/")
+            if name == "sweep":
+                results.add("allreduce_sweep", dict(bytes=int(size), **row))
+            else:
+                results.add("allreduce", dict(model=name, batch=int(size), **row))
         for p in procs:
             p.join(30)
             if p.exitcode is None:
@@ -232,13 +269,14 @@ def bench_speed(results: Results, names: list[str], batches: list[int], prompt_l
             continue
         with tempfile.TemporaryDirectory() as folder:
             path, params = save_random_model(configs[name](), os.path.join(folder, name))
-            for tp in (1, TP):
-                if results.over_budget(part="speed", model=name, tp=tp):
+            for tp, reduce in ((1, "-"), (TP, "nccl"), (TP, "one-shot")):
+                if results.over_budget(part="speed", model=name, tp=tp, all_reduce=reduce):
                     continue
                 engine = None
                 try:  # a failure is recorded and the other configurations still run
                     engine = LLMEngine(path, dtype="bfloat16", max_model_len=prompt_len + max_tokens + 16,
-                                       max_num_seqs=max(batches), gpu_memory_utilization=0.5, tensor_parallel_size=tp)
+                                       max_num_seqs=max(batches), gpu_memory_utilization=0.5, tensor_parallel_size=tp,
+                                       disable_custom_all_reduce=reduce == "nccl")
                     weights = ([engine.runner.param_bytes] if tp == 1 else
                                [info.param_bytes for info in engine.runner.infos])
                     results.data["params"][f"{name}/tp{tp}"] = dict(params=params, bytes_per_rank=weights)
@@ -246,10 +284,12 @@ def bench_speed(results: Results, names: list[str], batches: list[int], prompt_l
                         batch_prompts = prompts(batch, prompt_len, engine.runner.vocab_size)
                         decode_tokens_per_s(engine, batch_prompts, max_tokens)  # warm-up
                         tps = decode_tokens_per_s(engine, batch_prompts, max_tokens)
-                        results.add("speed", dict(model=name, tp=tp, batch=batch, tokens_per_s=tps, step_ms=1e3 * batch / tps,
+                        results.add("speed", dict(model=name, tp=tp, all_reduce=reduce, batch=batch, tokens_per_s=tps,
+                                                  step_ms=1e3 * batch / tps,
                                                   weight_gib_per_rank=max(weights) / 2**30))
                 except Exception as exc:  # noqa: BLE001
-                    results.add("errors", dict(part="speed", model=name, tp=tp, error=f"{type(exc).__name__}: {exc}"))
+                    results.add("errors", dict(part="speed", model=name, tp=tp, all_reduce=reduce,
+                                               error=f"{type(exc).__name__}: {exc}"))
                 if engine is not None:
                     engine.shutdown()
                 del engine
@@ -384,23 +424,30 @@ def markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [f"Tensor parallelism, {meta['device']} x{meta['gpus']}, torch {meta['torch']}, bf16, CUDA graphs, {meta['date']}.", ""]
     if data["speed"]:
-        lines += ["| model | tp | batch | tokens/s | step ms | vs tp 1 | weights GiB / rank | collectives ms / step (graph) |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["| model | tp | all-reduce | batch | tokens/s | step ms | vs tp 1 | weights GiB / rank | "
+                  "collectives ms / step alone (graph) |", "|---|---|---|---|---|---|---|---|---|"]
         base = {(r["model"], r["batch"]): r["tokens_per_s"] for r in data["speed"] if r["tp"] == 1}
-        comm = {(r["model"], r["batch"]): r["graph_ms"] for r in data["allreduce"]}
+        comm = {(r["model"], r["batch"], reduce): r[col] for r in data["allreduce"]
+                for reduce, col in (("nccl", "graph_ms"), ("one-shot", "one_shot_graph_ms"))}
         for r in data["speed"]:
             key = (r["model"], r["batch"])
             ratio = f"{r['tokens_per_s'] / base[key]:.2f}x" if key in base else "-"
-            coll = f"{comm[key]:.3f} ({comm[key] / r['step_ms']:.0%})" if r["tp"] > 1 and key in comm else "-"
-            lines.append(f"| {r['model']} | {r['tp']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
-                         f"{ratio} | {r['weight_gib_per_rank']:.2f} | {coll} |")
+            c = comm.get((*key, r.get("all_reduce")))
+            coll = f"{c:.3f} ({c / r['step_ms']:.0%})" if r["tp"] > 1 and c is not None else "-"
+            lines.append(f"| {r['model']} | {r['tp']} | {r.get('all_reduce', '-')} | {r['batch']} | {r['tokens_per_s']:.1f} | "
+                         f"{r['step_ms']:.2f} | {ratio} | {r['weight_gib_per_rank']:.2f} | {coll} |")
         lines.append("")
     if data["allreduce"]:
         lines += ["Collectives of one -tp 2 decode step, alone (2 x layers + 1 all-reduces of [batch, H], one "
-                  "all-gather of [batch, V/2]):", "", "| model | batch | collectives | eager ms | graph ms |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['batch']} | {r['collectives']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} |"
-                  for r in data["allreduce"]]
+                  "all-gather of [batch, V/2]):", "", "| model | batch | collectives | NCCL eager ms | NCCL graph ms | "
+                  "one-shot all-reduces, graph ms |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['batch']} | {r['collectives']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
+                  f"{r['one_shot_graph_ms']:.3f} |" for r in data["allreduce"]]
+        lines.append("")
+    if data["allreduce_sweep"]:
+        lines += ["One bf16 all-reduce alone, graph-replayed, µs a call (one-shot checked equal to NCCL bit for bit):", "",
+                  "| bytes | NCCL µs | one-shot µs |", "|---|---|---|"]
+        lines += [f"| {r['bytes']} | {r['nccl_us']:.1f} | {r['one_shot_us']:.1f} |" for r in data["allreduce_sweep"]]
         lines.append("")
     if data["zoo"]:
         lines += ["| target | draft | tp 1 mean acceptance length | tp 2 | identical completions | same tokens |",

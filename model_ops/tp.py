@@ -8,7 +8,9 @@ set it) every collective is the identity and every slice is the whole tensor, so
 single-process code paths, and the CPU exactness tests built on them, do not change.
 
 Collectives are torch.distributed's on the group given (NCCL on CUDA, RCCL on ROCm, gloo on
-CPU); they run on the current stream, so decode graphs capture them like any kernel.
+CPU); they run on the current stream, so decode graphs capture them like any kernel. On NVIDIA
+GPUs of one host, small all-reduces (decode's activations) take a one-shot kernel over peer
+memory instead (OneShotAllReduce below), unless --disable-custom-all-reduce.
 
 Benchmark only: a `simulated` state is rank r of N with no peers (ci/bench_kimi.py runs one
 TP8 rank of Kimi-K2.5 on one GPU). Its collectives move nothing and cost nothing: all_reduce
@@ -40,6 +42,7 @@ class TPState:
     group: dist.ProcessGroup | None = None  # None with size > 1: layers can be built, not run (pre-spawn checks)
     device: torch.device = torch.device("cpu")  # where collectives' scratch tensors live
     simulated: bool = False  # benchmark only: rank `rank` of `size` without peers, collectives skipped (see above)
+    one_shot: OneShotAllReduce | None = None  # small all-reduces over peer memory (CUDA, one host); None: all NCCL
 
 
 _state = TPState()
@@ -84,11 +87,54 @@ def tp_state(rank_: int, size_: int, group: dist.ProcessGroup | None = None,
 # ----------------------------------------------------------------------------- collectives
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place; the identity at size 1 (and on a simulated rank: its partial sum)."""
+    """Sum over ranks; the identity at size 1 (and on a simulated rank: its partial sum). Use the
+    result: NCCL and gloo sum in place, the one-shot kernel into a new tensor."""
     if _state.size == 1 or _state.simulated:
         return x
+    if _state.one_shot is not None and _state.one_shot.accepts(x):
+        return _state.one_shot(x)
     dist.all_reduce(x, group=_state.group)
     return x
+
+
+ONE_SHOT_MAX_BYTES = 1 << 20  # decode's all-reduces: batch x hidden x 2 B is 512 KB at batch 64, hidden 4096
+
+
+class OneShotAllReduce:
+    """The sum of a small tensor over the ranks of one host in one kernel (torch symmetric memory,
+    `symm_mem::one_shot_all_reduce_copy`): each rank copies its input into its own peer-mapped
+    buffer; after a device-side barrier every rank reads every rank's buffer directly (NVLink)
+    and adds them; a second barrier frees the buffers for the next call. No host involvement, so
+    CUDA graphs capture it like any kernel.
+
+    Why: a decode step all-reduces [batch, hidden] twice a layer, a few KB at batch 1, where
+    NCCL's ring protocol costs ~19 us a call on two H200s (docs/benchmarks.md section 9): a third
+    of the -tp 2 step of an 8B model. The one-shot exchange is the custom all-reduce of vLLM and
+    SGLang (aiter's on ROCm). Two ranks add in the same order as NCCL (a + b, then rounded), so
+    -tp 2 results are the same bits either way; larger tensors keep NCCL, which moves fewer bytes.
+
+    CUDA only: on ROCm torch's symmetric memory is not used here and RCCL sums everything
+    (aiter's custom all-reduce is not wired; docs/rocm.md)."""
+
+    DTYPES = (torch.bfloat16, torch.float32)  # what the torch kernel dispatches
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.group_name = group.group_name
+        self.max_bytes = max_bytes
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        # collective: every rank maps every peer's buffer now, at start-up, never inside a capture
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        return (x.dtype in self.DTYPES and x.is_cuda and x.is_contiguous() and 0 < nbytes <= self.max_bytes
+                and nbytes % 16 == 0 and x.data_ptr() % 16 == 0)  # the kernel's 16-byte vector loads
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        staging = self.buffer.view(x.dtype)[: x.numel()].view(x.shape)  # torch 2.11 wants the input's shape here
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(staging, x, "sum", self.group_name)
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -142,9 +142,10 @@ def _models(args: EngineArgs, hf_config: PretrainedConfig):
 
 # ----------------------------------------------------------------------------- one rank
 
-def init_rank(rank: int, size: int, local_rank: int, device_type: str, init_method: str) -> torch.device:
+def init_rank(rank: int, local_rank: int, args: EngineArgs, init_method: str) -> torch.device:
     """Join the group as `rank` (device cuda:local_rank, or the CPU) and set model_ops.tp."""
-    if device_type == "cuda":
+    size = args.tensor_parallel_size
+    if resolve_device(args.device).type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"  # RCCL under ROCm torch
@@ -153,8 +154,27 @@ def init_rank(rank: int, size: int, local_rank: int, device_type: str, init_meth
         torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the ranks share the cores
         backend = "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-    tp.set_state(tp.TPState(rank, size, dist.group.WORLD, device))
+    tp.set_state(tp.TPState(rank, size, dist.group.WORLD, device, one_shot=_one_shot(device, args)))
     return device
+
+
+def _one_shot(device: torch.device, args: EngineArgs) -> tp.OneShotAllReduce | None:
+    """The small-message all-reduce over peer memory, where every rank can map every other's:
+    NVIDIA GPUs of one host. Every rank reaches the same answer (same flags, same platform); if
+    setting it up fails anywhere, all ranks fall back to NCCL together."""
+    one_host = int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size)) == args.tensor_parallel_size
+    if device.type != "cuda" or torch.version.hip is not None or args.disable_custom_all_reduce or not one_host:
+        return None
+    try:
+        one_shot, error = tp.OneShotAllReduce(dist.group.WORLD, device), ""
+    except RuntimeError as exc:  # no peer access between the GPUs, a torch without symmetric memory
+        one_shot, error = None, str(exc).splitlines()[0]
+    ok = torch.tensor([one_shot is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        logger.warning("one-shot all-reduce unavailable (%s): NCCL sums everything", error or "on another rank")
+        return None
+    return one_shot
 
 
 def _rank_runner(args: EngineArgs, device: torch.device, dtype: torch.dtype, max_model_len: int,
@@ -191,9 +211,8 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn: multiprocessing.connection.
     _exit_with_parent()
     logging.basicConfig(level=spec.log_level if rank == 0 else max(spec.log_level, logging.WARNING),
                         format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
-    size = spec.args.tensor_parallel_size
     try:
-        device = init_rank(rank, size, rank, resolve_device(spec.args.device).type, spec.init_method)
+        device = init_rank(rank, rank, spec.args, spec.init_method)
         runner = _rank_runner(spec.args, device, spec.dtype, spec.max_model_len, spec.proposer_factory)
         conn.send(("ready", _info(runner)))
         while (message := pickle.loads(conn.recv_bytes())) is not None:
@@ -387,7 +406,7 @@ def torchrun_launch(tp_size: int) -> tuple[int, int] | None:
 
 
 def _torchrun_rank(rank: int, local_rank: int, args: EngineArgs) -> tuple[torch.device, dist.ProcessGroup]:
-    device = init_rank(rank, args.tensor_parallel_size, local_rank, resolve_device(args.device).type, "env://")
+    device = init_rank(rank, local_rank, args, "env://")
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)  # host messages: steps, shutdown
     return device, control
 

@@ -22,8 +22,8 @@ def prompts(n: int = 12) -> list[list[int]]:
     return [[1] + [int(x) for x in rng.integers(20, 8000, int(rng.integers(8, 60)))] for _ in range(n)]
 
 
-def run(model: str, tp: int, **kwargs) -> list[list[int]]:
-    engine = LLMEngine(model, tensor_parallel_size=tp, dtype="float32", max_model_len=256,
+def run(model: str, tp: int, dtype: str = "float32", **kwargs) -> list[list[int]]:
+    engine = LLMEngine(model, tensor_parallel_size=tp, dtype=dtype, max_model_len=256,
                        gpu_memory_utilization=0.3, max_num_seqs=16, **kwargs)
     try:
         return [o.token_ids for o in engine.generate(prompts(), GREEDY, use_tqdm=False)]
@@ -50,3 +50,14 @@ def test_tp2_matches_tp1_in_fp32(pair):
     agree = np.mean([next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) / len(a) for a, b in zip(one, two)])
     print(f"{pair}: {same}/{len(one)} completions identical at -tp 1 and -tp 2, {agree:.1%} of tokens before a first difference")
     assert same >= len(one) - 1, f"{pair}: only {same}/{len(one)} identical"
+
+
+def test_one_shot_all_reduce_gives_nccls_tokens_in_bf16():
+    """Two ranks add a + b in the same order either way, so in bf16 too the one-shot all-reduce
+    (the default) must give exactly the tokens NCCL alone gives (--disable-custom-all-reduce)."""
+    model = str(resolve("tiny-kimi"))
+    kwargs = dict(dtype="bfloat16", method="eagle3", draft_model=str(resolve("tiny-kimi-eagle3")),
+                  num_speculative_tokens=3)
+    one_shot = run(model, 2, **kwargs)
+    nccl = run(model, 2, disable_custom_all_reduce=True, **kwargs)
+    assert one_shot == nccl
