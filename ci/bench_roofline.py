@@ -12,7 +12,8 @@ Parts (all by default; `--parts` picks some):
 * profile: torch.profiler over `--profile-steps` decode steps at batch 1 and 16: GPU idle % of the
   steps' span (1 - union of kernel/memcpy intervals / first start .. last end), kernels and
   memcpys per step, CUDA/HIP synchronize calls per step (cudaStreamSynchronize & co, host side),
-  and the top kernels by time. The profiler's own host overhead inflates idle % a little.
+  and the top kernels by time; then a second pass tracing the device alone, whose idle % is free
+  of the host slow-down that tracing host ops causes.
 * fusions: a layer's rope + KV write and SiLU-and-mul at the 8B shape for T = 1, 16, 64 tokens,
   eager (model_ops.rotary + kernels_rocm.kv_cache; F.silu * up) vs the fused Triton kernel.
 * gemm: the skinny projections of the 8B shape (qkv, o_proj, gate_up, down, lm_head) at M = 1..64:
@@ -189,14 +190,12 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile_engine(engine, clock: Clock, batch: int, prompt_len: int, steps: int) -> dict:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+def _profiled_steps(engine, clock: Clock, batch: int, prompt_len: int, steps: int, activities: list):
+    from torch.profiler import profile
 
     start_batch(engine, prompts(batch, prompt_len, engine.runner.vocab_size), steps + 8)
     for _ in range(3):
         engine.step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clock.device.type == "cuda" else [])
     clock.sync()
     wall = time.perf_counter()
     with profile(activities=activities) as prof:
@@ -205,7 +204,26 @@ def profile_engine(engine, clock: Clock, batch: int, prompt_len: int, steps: int
         clock.sync()
     wall = time.perf_counter() - wall
     drain(engine)
+    return prof, wall
 
+
+def _idle(device_events: list, steps: int) -> dict:
+    spans = [(e.time_range.start, e.time_range.end) for e in device_events]
+    span_us = max(s[1] for s in spans) - min(s[0] for s in spans)
+    busy_us = _union_us(spans)
+    return dict(gpu_span_ms_per_step=1e-3 * span_us / steps, gpu_busy_ms_per_step=1e-3 * busy_us / steps,
+                gpu_idle_fraction=1 - busy_us / span_us)
+
+
+def profile_engine(engine, clock: Clock, batch: int, prompt_len: int, steps: int) -> dict:
+    """Host and device activity (syncs, host ops, kernels), then, on a GPU, device activity alone:
+    tracing host ops slows the host, which a GPU waiting on it counts as idle time, so the idle
+    figure of the second pass is the one to trust."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clock.device.type == "cuda" else [])
+    prof, wall = _profiled_steps(engine, clock, batch, prompt_len, steps, activities)
     device_events = [e for e in prof.events() if e.device_type != DeviceType.CPU]
     host_events = [e for e in prof.events() if e.device_type == DeviceType.CPU]
     is_copy = [e.name.lower().startswith(("memcpy", "memset")) for e in device_events]
@@ -219,19 +237,17 @@ def profile_engine(engine, clock: Clock, batch: int, prompt_len: int, steps: int
                   syncs_per_step={k: v / steps for k, v in sorted(syncs.items())},
                   host_ops_per_step=len(host_events) / steps)
     if device_events:
-        spans = [(e.time_range.start, e.time_range.end) for e in device_events]
-        span_us = max(s[1] for s in spans) - min(s[0] for s in spans)
-        busy_us = _union_us(spans)
         by_name: dict[str, list[float]] = defaultdict(list)
         for e in kernels:
             by_name[e.name].append(e.time_range.end - e.time_range.start)
         top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
         result.update(
-            gpu_span_ms_per_step=1e-3 * span_us / steps, gpu_busy_ms_per_step=1e-3 * busy_us / steps,
-            gpu_idle_fraction=1 - busy_us / span_us, kernels_per_step=len(kernels) / steps,
-            copies_per_step=len(copies) / steps,
+            **_idle(device_events, steps), kernels_per_step=len(kernels) / steps, copies_per_step=len(copies) / steps,
             top_kernels=[dict(name=name[:90], us_per_step=sum(d) / steps, calls_per_step=len(d) / steps)
                          for name, d in top])
+        prof, wall = _profiled_steps(engine, clock, batch, prompt_len, steps, [ProfilerActivity.CUDA])
+        device_only = _idle([e for e in prof.events() if e.device_type != DeviceType.CPU], steps)
+        result["device_only"] = dict(wall_ms_per_step=1e3 * wall / steps, **device_only)
     return result
 
 
@@ -347,7 +363,10 @@ def markdown(results: dict) -> str:
         if "gpu_idle_fraction" in p:
             lines += [f"GPU busy {p['gpu_busy_ms_per_step']:.2f} of {p['gpu_span_ms_per_step']:.2f} ms per step: "
                       f"**idle {p['gpu_idle_fraction']:.1%}**; {p['kernels_per_step']:.0f} kernels and "
-                      f"{p['copies_per_step']:.1f} memcpy/memset per step.", "",
+                      f"{p['copies_per_step']:.1f} memcpy/memset per step. Tracing the device alone (no host ops): "
+                      f"wall {p['device_only']['wall_ms_per_step']:.2f} ms/step, GPU busy "
+                      f"{p['device_only']['gpu_busy_ms_per_step']:.2f} of {p['device_only']['gpu_span_ms_per_step']:.2f} "
+                      f"ms: **idle {p['device_only']['gpu_idle_fraction']:.1%}**.", "",
                       "| kernel | us / step | calls / step |", "|---|---|---|"]
             lines += [f"| `{k['name']}` | {k['us_per_step']:.1f} | {k['calls_per_step']:.1f} |" for k in p["top_kernels"]]
         lines.append("")
