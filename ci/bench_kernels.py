@@ -33,10 +33,11 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from kernels_rocm.fused_moe import fused_moe, moe_reference  # noqa: E402
 from kernels_rocm.mla_decode import mla_paged_attention  # noqa: E402
+from kernels_rocm._attention_common import MAX_KV_SPLITS  # noqa: E402
 from kernels_rocm.paged_attention import paged_attention  # noqa: E402
 from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm_reference  # noqa: E402
 from model_ops.attention import torch_ref  # noqa: E402
@@ -192,6 +193,46 @@ def bench_mla_decode(copy_gbps: float, batch_sizes=BATCH_SIZES, contexts=CONTEXT
         num_blocks=num_blocks, copy_gbps=copy_gbps, batch_sizes=batch_sizes, contexts=contexts,
     )
     del kv
+    torch.cuda.empty_cache()
+    return rows
+
+
+SPLIT_BATCHES, SPLIT_CONTEXTS = (1, 4, 16, 64), (576, 2048, 8192)
+
+
+def bench_kv_splits(copy_gbps: float) -> list[dict]:
+    """Decode attention replayed in a CUDA graph (as the engine runs it) at each forced KV split
+    count and the heuristic's own: the Llama-3.1-8B layer (32 q / 8 kv heads, D 128) and one TP8
+    rank of Kimi's MLA (8 heads, 512 + 64). Small batches are latency-bound: this says how many
+    splits each (batch, context) wants."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    num_blocks = max(SPLIT_BATCHES) * max(SPLIT_CONTEXTS) // BLOCK_SIZE + 1
+    mha_kv = torch.empty(2, num_blocks, BLOCK_SIZE, 8, 128, dtype=DTYPE, device="cuda").normal_()
+    mla_kv = torch.empty(num_blocks, BLOCK_SIZE, 576, dtype=DTYPE, device="cuda").normal_()
+    for context in SPLIT_CONTEXTS:
+        for batch in SPLIT_BATCHES:
+            meta = _decode_metadata(batch, context, num_blocks, gen)
+            q_mha = torch.randn(batch, 32, 128, dtype=DTYPE, device="cuda")
+            q_mla = torch.randn(batch, 8, 576, dtype=DTYPE, device="cuda")
+            out_mha, out_mla = torch.empty_like(q_mha), torch.empty(batch, 8, 512, dtype=DTYPE, device="cuda")
+            calls = {
+                "MHA 32/8h D128": (lambda n: paged_attention(
+                    q_mha, mha_kv[0], mha_kv[1], meta.query_start_loc, meta.context_lens, meta.block_tables, 1, context,
+                    128**-0.5, out=out_mha, num_kv_splits=n), 2 * 8 * 128 * 2),
+                "MLA 8h L512+R64": (lambda n: mla_paged_attention(
+                    q_mla[..., :512], q_mla[..., 512:], mla_kv, meta.query_start_loc, meta.context_lens,
+                    meta.block_tables, 1, context, 192**-0.5, out=out_mla, num_kv_splits=n), 576 * 2),
+            }
+            for kernel, (call, kv_bytes) in calls.items():
+                row = dict(kernel=kernel, batch=batch, context=context)
+                for n in [None] + [2**i for i in range(8) if 2**i <= min(64, MAX_KV_SPLITS)]:
+                    ms = do_bench_cudagraph(lambda: call(n), rep=20, return_mode="median")
+                    row["auto" if n is None else str(n)] = 1e3 * ms
+                best = min((k for k in row if k.isdigit()), key=lambda k: row[k])
+                row.update(best=best, best_fraction_of_copy=batch * context * kv_bytes / (row[best] * 1e-6) / 1e9 / copy_gbps)
+                rows.append(row)
+    del mha_kv, mla_kv
     torch.cuda.empty_cache()
     return rows
 
@@ -379,10 +420,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     parser.add_argument("--quick", action="store_true", help="a few configurations only (smoke run)")
+    parser.add_argument("--splits", action="store_true", help="only the decode-attention KV split sweep (graphs, µs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA/ROCm GPU available", file=sys.stderr)
         return 2
+    if args.splits:
+        rows = bench_kv_splits(measure_copy_bandwidth()["gbps"])
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_splits.json").write_text(json.dumps(rows, indent=1))
+        keys = [k for k in rows[0] if k not in ("kernel", "batch", "context", "best", "best_fraction_of_copy")]
+        print("| kernel | batch | context | " + " | ".join(f"{k} µs" for k in keys) + " | best | best % copy |")
+        for r in rows:
+            print(f"| {r['kernel']} | {r['batch']} | {r['context']} | " + " | ".join(f"{r[k]:.1f}" for k in keys)
+                  + f" | {r['best']} | {r['best_fraction_of_copy']:.0%} |")
+        return 0
     results = run_all(args.out, args.quick)
     print(to_markdown(results))
     print(f"wrote {args.out / 'bench_kernels.json'} and {args.out / 'bench_kernels.md'}")

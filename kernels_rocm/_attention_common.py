@@ -27,11 +27,15 @@ LOG2E = 1.4426950408889634
 
 # Split-KV policy. Splitting pays off when the 2D grid cannot fill the GPU (small batches, long
 # contexts) and only for short query blocks (decode and speculative verify); prefill has enough
-# q blocks to fill the GPU on its own.
+# q blocks to fill the GPU on its own. A decode program walks its KV tiles one after another, so
+# at small batch the time is the latency of that walk: measured on an H100 in CUDA graphs
+# (docs/benchmarks.md section 8, `ci/bench_kernels.py --splits`), batch 1 at 576 tokens ran
+# fastest with 32 splits of ~18 tokens (MHA 6.0 us against 13.7 with the former 256-token
+# minimum; MLA 8.7 against 24.0); from there on the grid size, not the tokens per split, decides.
 MAX_KV_SPLITS = 128
-MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT = 16
 MAX_SPLIT_QUERY_LEN = 16
-PROGRAMS_PER_COMPUTE_UNIT = 4
+PROGRAMS_PER_COMPUTE_UNIT = 4  # the MHA kernel's best grid; the MLA kernel (8 warps, wide tiles) wants 2
 
 
 @triton.jit
@@ -156,16 +160,17 @@ class SplitBuffers:
 
 
 def choose_num_segments(
-    programs_per_segment: int, max_query_len: int, max_context_len: int, device: torch.device
+    programs_per_segment: int, max_query_len: int, max_context_len: int, device: torch.device,
+    programs_per_compute_unit: int = PROGRAMS_PER_COMPUTE_UNIT,
 ) -> int:
     """Power-of-two KV split count from host upper bounds only (graph-safe).
 
-    Doubles the split while the grid is below PROGRAMS_PER_COMPUTE_UNIT programs per SM/CU and
+    Doubles the split while the grid is below `programs_per_compute_unit` programs per SM/CU and
     every split still gets at least MIN_TOKENS_PER_SPLIT tokens of the longest context.
     """
     if max_query_len > MAX_SPLIT_QUERY_LEN:
         return 1
-    target = PROGRAMS_PER_COMPUTE_UNIT * num_compute_units(device)
+    target = programs_per_compute_unit * num_compute_units(device)
     splits = 1
     while (
         splits * 2 <= MAX_KV_SPLITS
@@ -183,6 +188,7 @@ def plan_split(
     max_context_len: int,
     out: torch.Tensor,
     head_pad: int,
+    programs_per_compute_unit: int = PROGRAMS_PER_COMPUTE_UNIT,
 ) -> tuple[int, SplitBuffers | None, tuple[torch.Tensor, ...]]:
     """(split count, partial buffers or None, the three partial-pointer kernel args).
 
@@ -190,7 +196,8 @@ def plan_split(
     writes `out` directly and its partial-pointer args are unused placeholders.
     """
     if num_kv_splits is None:
-        num_kv_splits = choose_num_segments(programs_per_segment, max_query_len, max_context_len, out.device)
+        num_kv_splits = choose_num_segments(programs_per_segment, max_query_len, max_context_len, out.device,
+                                            programs_per_compute_unit)
     if not (1 <= num_kv_splits <= MAX_KV_SPLITS) or num_kv_splits & (num_kv_splits - 1):
         raise ValueError(f"num_kv_splits must be a power of two in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
     if num_kv_splits == 1:

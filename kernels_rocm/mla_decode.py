@@ -214,7 +214,7 @@ def mla_paged_attention(
 
     active_programs = num_seqs * triton.cdiv(max_query_len, block_q) * head_groups
     num_kv_splits, split, partials = plan_split(
-        num_kv_splits, active_programs, max_query_len, max_context_len, out, latent_pad
+        num_kv_splits, active_programs, max_query_len, max_context_len, out, latent_pad, programs_per_compute_unit=2
     )
 
     tile_n, num_warps, num_stages = launch_options(fp8)

@@ -136,3 +136,4 @@ def test_split_policy():
     assert choose_num_segments(1, 1, 4 * MIN_TOKENS_PER_SPLIT, cpu) == 4  # context-limited
     assert choose_num_segments(16, 1, 100_000, cpu) == 1  # grid already full
     assert choose_num_segments(1, 1, 10**9, cpu) <= MAX_KV_SPLITS
+    assert choose_num_segments(1, 1, 100_000, cpu, programs_per_compute_unit=2) == 8  # the MLA kernel's target
