@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for path in (REPO, REPO / "ci"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("compile_kernels: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
 if "TRITON_PTXAS_PATH" not in os.environ and shutil.which("ptxas"):
@@ -46,11 +47,11 @@ import kernels_rocm.mla_decode as mla_mod  # noqa: E402
 import kernels_rocm.mxfp4_linear as mxfp4_linear_mod  # noqa: E402
 import kernels_rocm.mxfp4_moe as mxfp4_moe_mod  # noqa: E402
 import kernels_rocm.paged_attention as paged_mod  # noqa: E402
+import kernels_rocm.skinny_gemm as skinny_mod  # noqa: E402
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache  # noqa: E402
 from kernels_rocm.activation import silu_and_mul  # noqa: E402
 from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kernels_rocm.rope_kv_cache import rope_write_kv_cache, rope_write_mla_kv_cache  # noqa: E402
-from kernels_rocm.skinny_gemm import skinny_gemm  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,18 @@ def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None):
         _t(tokens, top_k, dtype=torch.float32), _t(tokens, top_k, dtype=torch.int32), quantize, config=config)
 
 
+def _skinny_sweep(target: str):
+    """Every config ci/bench_roofline.py times on the H100. NVIDIA only: on gfx942/gfx950 six of
+    the widest (block_n 32 at M 2; 8 warps with block_n x M >= 32) spill VGPRs; the defaults do not."""
+    if target != "sm90":
+        return
+    from bench_roofline import gemv_sweep
+
+    for m in (1, 2, 4, 8):
+        for config in gemv_sweep(m):
+            skinny_mod.skinny_gemm(_t(m, 4096), _t(6144, 4096), config)
+
+
 def _moe(experts, top_k, hidden, inter, tokens):
     fused_moe_mod.fused_moe(_t(tokens, hidden), _t(experts, 2 * inter, hidden), _t(experts, hidden, inter),
                             _t(tokens, top_k, dtype=torch.float32), _t(tokens, top_k, dtype=torch.int32))
@@ -182,8 +195,11 @@ CASES: dict[str, Callable[[str], None]] = {
     "rope + kv write MLA 64h 512+64": lambda _: _rope_mla(),
     "rope + kv write MLA fp8": lambda t: _rope_mla(_fp8_dtype(t)),
     "SiLU-and-mul I14336": lambda _: silu_and_mul(_t(64, 2 * 14336)),
-    "skinny GEMM M16 N6144 K4096": lambda _: skinny_gemm(_t(16, 4096), _t(6144, 4096)),
-    "skinny GEMM M1 N4096 K14336 256": lambda _: skinny_gemm(_t(1, 14336), _t(4096, 14336), block_k=256),
+    "skinny GEMM M1 N6144 K4096": lambda _: skinny_mod.skinny_gemm(_t(1, 4096), _t(6144, 4096)),
+    "skinny GEMM M8 N4096 K14336": lambda _: skinny_mod.skinny_gemm(_t(8, 14336), _t(4096, 14336)),
+    "skinny GEMM fp32 M3": lambda _: skinny_mod.skinny_gemm(_t(3, 4096, dtype=torch.float32),
+                                                            _t(4096, 4096, dtype=torch.float32)),
+    "skinny GEMM, bench_roofline's sweep at M 1, 2, 4, 8": _skinny_sweep,
     "RMSNorm H7168": lambda _: rms_norm(_t(64, 7168), _t(7168), 1e-6),
     "add+RMSNorm H7168": lambda _: fused_add_rms_norm(_t(64, 7168), _t(64, 7168), _t(7168), 1e-6),
 }
@@ -191,7 +207,7 @@ QUICK_CASES = ("kv write MHA 8x128", "MHA 8/8 D128 decode split 16", "MLA 8h dec
                "MoE E64 H2048 I1024 T8", "add+RMSNorm H7168", "MXFP4 MoE Kimi TP8 T1 w4a4 split 8",
                "MXFP4 linear M4 N512 K7168 w4a4 split 8", "kv write MLA fp8", "MLA 8h fp8 decode split 16",
                "rope + kv write MHA 32/8 D128", "rope + kv write MLA fp8", "SiLU-and-mul I14336",
-               "skinny GEMM M16 N6144 K4096")
+               "skinny GEMM M8 N4096 K14336")
 
 
 @dataclass
@@ -259,7 +275,7 @@ class _CompileInsteadOfLaunch:
     def active(self):
         original = JITFunction.run
         hip = TARGETS[self.target_name].is_hip
-        modules = (paged_mod, mla_mod, fused_moe_mod, mxfp4_linear_mod, mxfp4_moe_mod)
+        modules = (paged_mod, mla_mod, fused_moe_mod, mxfp4_linear_mod, mxfp4_moe_mod, skinny_mod)
         saved = [m.IS_HIP for m in modules]
         JITFunction.run = lambda fn, *a, **k: self.run(fn, *a, **k)
         for m in modules:

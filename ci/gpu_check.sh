@@ -5,8 +5,8 @@
 #
 # roofline (not in the default set; one H100, < 9 min) runs ci/bench_roofline.py: the Llama-3.1-8B shape's
 # decode step vs the copy-bandwidth roofline and transformers at batch 1/16/64, a torch.profiler
-# breakdown (GPU idle %, kernels and synchronize calls per step), and cuBLAS vs split-K Triton skinny
-# GEMMs; $BENCH_ROOFLINE_ARGS passes flags (e.g. "--parts engine,profile").
+# breakdown (GPU idle %, kernels and synchronize calls per step), and cuBLAS vs the GEMV-style Triton
+# skinny GEMM at M 1-8 over a sweep of its configs; $BENCH_ROOFLINE_ARGS passes flags (e.g. "--parts gemm").
 #
 # tp (not in the default list: it needs two GPUs, e.g. nvidia-h200-x2) runs ci/bench_tp.py: -tp 2 vs
 # -tp 1 decode speed (8B Llama shape, DeepSeek-shaped MoE), the step's collectives alone, and the zoo

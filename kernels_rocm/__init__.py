@@ -4,8 +4,8 @@ Imports only torch and triton. Modules: `kv_cache` (paged KV writes, MHA and MLA
 bf16 or fp8), `paged_attention` (MHA/GQA), `mla_decode` (absorbed MLA), `fused_moe` (bf16 routed
 experts), `mxfp4_moe` / `mxfp4_linear` (MXFP4 experts and dense layers, activation QDQ fused),
 `rms_norm` (RMSNorm, optionally fused with the residual add), `rope_kv_cache` (rotary embedding
-fused with the KV write, MHA and MLA), `activation` (SiLU-and-mul), `skinny_gemm` (split-K GEMM
-for M <= 64, measured by ci/bench_roofline.py, not wired into the models), and `aiter_ops` (the
+fused with the KV write, MHA and MLA), `activation` (SiLU-and-mul), `skinny_gemm` (GEMV-style
+GEMM for M <= 8, measured by ci/bench_roofline.py, not wired into the models), and `aiter_ops` (the
 adapters to aiter's MLA decode and MXFP4 fused MoE on ROCm; torch only, aiter imported lazily).
 Import the module you need; nothing is imported here so that importing the package stays cheap.
 """

@@ -1,74 +1,109 @@
-"""Split-K GEMM for skinny activations: y [M, N] = x [M, K] @ w [N, K]^T for M = 1..64.
+"""GEMV-style GEMM for decode: y [M, N] = x [M, K] @ w [N, K]^T for M = 1..8 (one token a
+sequence at batch 1, or a speculative verify of up to 8 rows).
 
-At decode sizes a projection is a weight read: M is the batch, so a GEMM library's tile over M
-mostly computes padding and, for narrow N (o_proj: N = 4096), launches too few tiles to keep
-every SM pulling weights. Here the grid also splits K, so there are at least ~2 programs per SM
-whatever N is; each program reduces its K range with tl.dot (fp32 accumulation) and adds its
-partial tile into an fp32 output with atomics; the result is cast to x's dtype at the end.
+At these sizes a projection is a weight read: every weight is used M times, so the work is
+M multiply-adds per weight loaded. A GEMM library tiles M to 64 or 128 rows (almost all padding
+here) and, for narrow N, launches too few tiles to keep every SM pulling weights; on an H100
+cuBLAS reaches 51-60% of copy bandwidth on the Llama-3.1-8B qkv and o_proj
+(docs/benchmarks.md section 8). Here there is no tl.dot: each program owns BLOCK_N weight rows
+and walks K. Every lane of every warp loads one 16-byte vector of each of its rows per step
+(so a step covers K in LANES x VEC elements, 32 x num_warps lanes on NVIDIA), multiplies it
+with the matching vector of each of the M rows of x and sums the vector in its registers; the
+partial sums stay per lane until the end, when one cross-lane reduction finishes them. Nothing
+crosses lanes inside the K loop, and the weight tile and the x tile share one register layout
+(see the kernel), so the loop is 16-byte loads, conversions to fp32 and FMAs only.
 
-Not wired into model_ops yet: ci/bench_roofline.py measures it against cuBLAS (F.linear) on the
-Llama-3.1-8B projections, and a model path should take it only where that measurement says so.
-The summation order differs from a GEMM library's (split partials, atomics), so results agree
-to accumulation rounding, not bit for bit, and are not run-to-run deterministic.
+One launch, no atomics, no workspace: fp32 accumulation, the result written once in x's dtype,
+in a fixed summation order (deterministic run to run). Every decision is made from shapes, so
+the call is CUDA/HIP-graph capturable. For M > 8 use F.linear: the split-K tl.dot kernel this
+replaced beat cuBLAS only on the LM head at M = 16 (3%) on an H100.
+
+Not wired into model_ops yet: ci/bench_roofline.py (part `gemm`) measures it against cuBLAS on
+the 8B projections over a sweep of `GemvConfig`s; a model path should take it per (N, K) where
+that says so.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels_rocm._util import (
+    IS_HIP,
     SUPPORTED_DTYPES,
-    UPCAST_DOT,
     check_dim,
     check_same_device,
     check_tensor,
-    dot_precision,
     num_compute_units,
 )
 
-MAX_M = 64  # beyond this a GEMM library's tiles are full enough
+MAX_M = 8  # rows of x a launch takes; beyond, accumulators (BLOCK_M x BLOCK_N a lane) crowd registers
+NUM_WARPS = (1, 2, 4, 8)
+PROGRAMS_PER_COMPUTE_UNIT = 4  # default_config narrows BLOCK_N until the grid has this many per SM / CU
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch shape: `block_n` weight rows a program (a power of two); `num_warps` warps, each
+    lane loading one 16-byte vector of every row per K step (so the step is warp size x
+    num_warps x 16 bytes of each row). Registers grow with block_n x the padded M: keep
+    block_n x next_power_of_2(M) <= 64 (ci/compile_kernels.py checks for spills). There is no
+    num_stages: Triton's software pipeliner leaves these loads alone (they feed no tl.dot; the
+    sm_90 SASS is the same for 1 and 3 stages), so latency is hidden by several programs an SM."""
+
+    block_n: int = 8
+    num_warps: int = 4
+
+
+def default_config(m: int, n: int, device: torch.device) -> GemvConfig:
+    """The widest BLOCK_N (<= 16, register-bounded by M) whose grid still has
+    PROGRAMS_PER_COMPUTE_UNIT programs per compute unit; 4 warps."""
+    block_n = min(16, 64 // triton.next_power_of_2(max(m, 1)))
+    while block_n > 1 and triton.cdiv(n, block_n) < PROGRAMS_PER_COMPUTE_UNIT * num_compute_units(device):
+        block_n //= 2
+    return GemvConfig(block_n=block_n)
 
 
 @triton.jit
-def _skinny_gemm_kernel(
-    x_ptr, w_ptr, acc_ptr,
-    M, N, K, k_per_split,
-    stride_xm: tl.int64, stride_wn: tl.int64, stride_am: tl.int64,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K,
+    stride_xm: tl.int64, stride_wn: tl.int64, stride_ym: tl.int64,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
 ):
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_valid, n_valid = rm < M, rn < N
-    k_start = pid_k * k_per_split
-    k_stop = tl.minimum(k_start + k_per_split, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_valid = rk < K  # k_per_split is a multiple of BLOCK_K: a block never crosses into the next split
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=m_valid[:, None] & k_valid[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None],
-                    mask=k_valid[:, None] & n_valid[None, :], other=0.0)
-        if UPCAST:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, w, input_precision=PRECISION)
-    tl.atomic_add(acc_ptr + rm[:, None].to(tl.int64) * stride_am + rn[None, :], acc,
-                  mask=m_valid[:, None] & n_valid[None, :])
+    # Tiles are [LANES, BLOCK_N or 1, 1 or BLOCK_M, VEC] with k = lane * VEC + v. Only the VEC axis
+    # is contiguous in memory, so Triton gives it to one lane (a 16-byte vector), spreads the lane
+    # axis (listed first) over lanes then warps exactly (LANES = warp size x num_warps), and keeps
+    # the N and M axes in every lane's registers: the x and w loads get one layout, and the
+    # broadcast product and the VEC sum never leave the lane.
+    BLOCK_K: tl.constexpr = LANES * VEC
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = (tl.arange(0, LANES)[:, None] * VEC + tl.arange(0, VEC)[None, :])[:, None, None, :]
+    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N re-read row N - 1: no mask on the weight loads
+    w_ptrs = w_ptr + rows[None, :, None, None] * stride_wn + rk  # [LANES, BLOCK_N, 1, VEC]
+    x_ptrs = x_ptr + rm[None, None, :, None].to(tl.int64) * stride_xm + rk  # [LANES, 1, BLOCK_M, VEC]
+    m_valid = (rm < M)[None, None, :, None]
+    acc = tl.zeros((LANES, BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_full = (K // BLOCK_K) * BLOCK_K  # written so that K - k_full keeps K's divisibility (vector masks)
+    for k0 in range(0, k_full, BLOCK_K):
+        w = tl.load(w_ptrs + k0).to(tl.float32)
+        x = tl.load(x_ptrs + k0, mask=m_valid, other=0.0).to(tl.float32)
+        acc += tl.sum(x * w, axis=3)
+    if k_full < K:
+        k_valid = rk < K - k_full
+        w = tl.load(w_ptrs + k_full, mask=k_valid, other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs + k_full, mask=m_valid & k_valid, other=0.0).to(tl.float32)
+        acc += tl.sum(x * w, axis=3)
+    out = tl.sum(acc, axis=0)  # [BLOCK_N, BLOCK_M]: the one cross-lane reduction
+    y_ptrs = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(rn < N)[:, None] & (rm < M)[None, :])
 
 
-def split_k_for(m: int, n: int, k: int, device: torch.device, block_m: int, block_n: int, block_k: int) -> int:
-    """Splits of K so that the grid has about two programs per compute unit (each split at least one K block)."""
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    return max(1, min(triton.cdiv(k, block_k), triton.cdiv(2 * num_compute_units(device), tiles)))
-
-
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: int = 128,
-                split_k: int | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_M) times w [N, K]^T -> [M, N] in x's dtype (fp32 accumulation).
-    `split_k` None picks one from the device's compute units (split_k_for)."""
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_M) times w [N, K]^T -> [M, N] in x's dtype, fp32 accumulation, one launch.
+    `config` None takes default_config."""
     check_tensor("x", x, 2, SUPPORTED_DTYPES)
     check_tensor("w", w, 2, (x.dtype,))
     check_dim("w", w, 1, x.shape[1], "x's inner dim")
@@ -76,17 +111,18 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: in
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_M:
-        raise ValueError(f"x has {m} rows: skinny_gemm is for at most {MAX_M} (use F.linear)")
-    block_m = 16  # tl.dot's smallest tile; rows past M are masked loads, no extra bytes
-    if split_k is None:
-        split_k = split_k_for(m, n, k, x.device, block_m, block_n, block_k)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    acc = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+        raise ValueError(f"x has {m} rows: skinny_gemm takes at most {MAX_M} (use F.linear)")
+    config = config or default_config(m, n, x.device)
+    if config.block_n < 1 or config.block_n & (config.block_n - 1):
+        raise ValueError(f"GemvConfig.block_n must be a power of two, got {config.block_n}")
+    if config.num_warps not in NUM_WARPS:
+        raise ValueError(f"GemvConfig.num_warps must be one of {NUM_WARPS}, got {config.num_warps}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
-        grid = (triton.cdiv(n, block_n), triton.cdiv(k, k_per_split), triton.cdiv(m, block_m))
-        _skinny_gemm_kernel[grid](
-            x, w, acc, m, n, k, k_per_split, x.stride(0), w.stride(0), acc.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            UPCAST=UPCAST_DOT, PRECISION=dot_precision(x.dtype),
+        warp_size = 64 if IS_HIP else 32  # the tile layout needs one lane per LANES entry (CDNA: wave64)
+        _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+            x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, LANES=warp_size * config.num_warps,
+            VEC=16 // x.element_size(), num_warps=config.num_warps,
         )
-    return acc.to(x.dtype)
+    return y

@@ -1,35 +1,85 @@
-"""kernels_rocm.skinny_gemm (split-K, atomics) against F.linear: odd M, N and K that no block
-divides, strided rows, several K splits (partials added into one output)."""
+"""kernels_rocm.skinny_gemm (GEMV-style, M <= 8) against F.linear in the interpreter: odd N and K
+that no block divides (the masked K tail, the clamped last rows), strided rows of x and w,
+M = 1, 3, 8 (padded to a power of two), several launch configs, fp16/bf16 rounding once, and
+clear errors for bad inputs."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels_rocm.skinny_gemm import MAX_M, skinny_gemm
+from kernels_rocm._util import num_compute_units
+from kernels_rocm.skinny_gemm import MAX_M, PROGRAMS_PER_COMPUTE_UNIT, GemvConfig, default_config, skinny_gemm
+
+CONFIGS = [GemvConfig(block_n=4, num_warps=1), GemvConfig(block_n=8, num_warps=2), None]
 
 
-@pytest.mark.parametrize("m", [1, 5, 17])
-@pytest.mark.parametrize("split_k", [None, 3])
-def test_skinny_gemm_matches_linear(m, split_k):
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("config", CONFIGS, ids=["4x1", "8x2", "default"])
+def test_matches_linear(m, config):
     g = torch.Generator().manual_seed(m)
-    n, k = 72, 200  # 2 N blocks (the 2nd masked), K blocks of 32: 7, the last masked
-    x = torch.randn(m, k + 8, generator=g)[:, :k]
-    w = torch.randn(n, k, generator=g)
-    out = skinny_gemm(x, w, block_n=64, block_k=32, split_k=split_k)
+    # fp32: 16-byte vectors of 4, 1 warp: K steps of 128. K 389 = 3 steps + a tail of 5 (one vector
+    # cut short); N 37 leaves the last block of rows partly past N.
+    n, k = 37, 389
+    x = torch.randn(m, k + 3, generator=g)[:, :k]
+    w = torch.randn(n, k + 7, generator=g)[:, :k]
+    out = skinny_gemm(x, w, config)
+    assert out.shape == (m, n) and out.dtype == torch.float32
     torch.testing.assert_close(out, F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
-def test_half_precision_rounds_once():
+def test_k_within_one_step_and_n_below_block():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(2, 6, generator=g), torch.randn(3, 6, generator=g)
+    torch.testing.assert_close(skinny_gemm(x, w, GemvConfig(block_n=8, num_warps=1)), F.linear(x, w),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_rounds_once(dtype):
+    """fp32 accumulation, one rounding to x's dtype: within one ulp of the fp32 product rounded
+    (summation order; and the interpreter truncates to bf16 where compiled Triton rounds)."""
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(3, 96, generator=g).half(), torch.randn(40, 96, generator=g).half()
-    out = skinny_gemm(x, w, block_n=32, block_k=32, split_k=2)
-    assert out.dtype == torch.float16
-    torch.testing.assert_close(out, F.linear(x.float(), w.float()).half(), atol=2e-2, rtol=1e-3)
+    x, w = torch.randn(3, 264, generator=g).to(dtype), torch.randn(40, 264, generator=g).to(dtype)
+    out = skinny_gemm(x, w, GemvConfig(block_n=8, num_warps=1))
+    assert out.dtype == dtype
+    expected = F.linear(x.float(), w.float())
+    ulp = torch.finfo(dtype).eps * expected.abs().clamp_min(1.0)
+    assert ((out.float() - expected).abs() <= ulp).all()
+
+
+def test_empty_shapes():
+    x = torch.randn(2, 0)
+    assert torch.equal(skinny_gemm(x, torch.randn(5, 0)), torch.zeros(2, 5))
+    assert skinny_gemm(torch.randn(0, 8), torch.randn(5, 8)).shape == (0, 5)
+
+
+@pytest.mark.parametrize("m, n", [(1, 6144), (8, 4096), (1, 10), (4, 100_000)])
+def test_default_config_fills_the_device(m, n):
+    """The widest block_n under the register cap whose grid keeps every compute unit busy."""
+    config, cpu = default_config(m, n, torch.device("cpu")), torch.device("cpu")
+    target, cap = PROGRAMS_PER_COMPUTE_UNIT * num_compute_units(cpu), min(16, 64 // (1 << (m - 1).bit_length()))
+    assert config.block_n <= cap
+    assert -(-n // config.block_n) >= target or config.block_n == 1
+    assert config.block_n == cap or -(-n // (2 * config.block_n)) < target
 
 
 def test_rejects_bad_inputs():
-    with pytest.raises(ValueError, match="inner dim"):
+    with pytest.raises(ValueError, match="w has shape .*x's inner dim"):
         skinny_gemm(torch.randn(2, 8), torch.randn(4, 6))
-    with pytest.raises(ValueError, match=f"at most {MAX_M}"):
+    with pytest.raises(ValueError, match=f"x has {MAX_M + 1} rows.*at most {MAX_M}"):
         skinny_gemm(torch.randn(MAX_M + 1, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="w must have dtype"):
+        skinny_gemm(torch.randn(2, 8), torch.randn(4, 8).half())
+    with pytest.raises(ValueError, match="x must have dtype"):
+        skinny_gemm(torch.ones(2, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x must have 2 dims"):
+        skinny_gemm(torch.randn(1, 2, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="w must be contiguous in its last dim"):
+        skinny_gemm(torch.randn(2, 8), torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match="w on meta"):
+        skinny_gemm(torch.randn(2, 8), torch.randn(4, 8, device="meta"))
+    with pytest.raises(ValueError, match="block_n must be a power of two, got 6"):
+        skinny_gemm(torch.randn(2, 8), torch.randn(4, 8), GemvConfig(block_n=6))
+    with pytest.raises(ValueError, match="num_warps must be one of .* got 3"):
+        skinny_gemm(torch.randn(2, 8), torch.randn(4, 8), GemvConfig(num_warps=3))

@@ -1,6 +1,6 @@
 """The decode-path fusions compiled, in bf16, at Llama-3.1-8B / Kimi sizes (needs a CUDA or ROCm GPU):
 rope + KV write (MHA 32/8 heads D=128; MLA 64 heads, L=512, R=64; bf16 and fp8 caches), SiLU-and-mul
-(I=14336) and the split-K skinny GEMM, each against the eager ops it replaces on the same inputs.
+(I=14336) and the GEMV-style skinny GEMM (M <= 8), each against the eager ops it replaces on the same inputs.
 
 The rope kernel computes x * cos + r * sin in fp32 and rounds once (the compiler also contracts it
 into a fused multiply-add), where the eager ops round each product and the sum to bf16: on an H100
@@ -8,7 +8,7 @@ into a fused multiply-add), where the eager ops round each product and the sum t
 are checked against the rope computed in fp32 and rounded once to the stored dtype: the kernel
 within one ulp of it everywhere, and off it on no more elements than the eager path. SiLU-and-mul may differ where exp()
 differs by an ulp (at most 1% of elements, each by one bf16 ulp); the GEMM by accumulation order
-(relative error < 1e-2). On the CPU interpreter the rope kernel is bit-exact (tests/test_kernels_rope_kv_cache.py).
+(one bf16 ulp of the fp32 product). On the CPU interpreter the rope kernel is bit-exact (tests/test_kernels_rope_kv_cache.py).
 """
 from __future__ import annotations
 
@@ -109,13 +109,17 @@ def test_silu_and_mul(tokens):
     torch.testing.assert_close(out, expected, atol=0.0, rtol=2**-7)
 
 
-@pytest.mark.parametrize("m", [1, 16, 64])
-@pytest.mark.parametrize("n_k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
-                         ids=["qkv", "o_proj", "gate_up", "down"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n_k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1000, 4100)],
+                         ids=["qkv", "o_proj", "gate_up", "down", "odd"])
 def test_skinny_gemm(m, n_k):
+    """Each output rounded once from an fp32 sum (cuBLAS, bf16 in and out, does the same in another
+    order): within one bf16 ulp of the fp32 product, and bit-identical run to run (no atomics)."""
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, n_k[1], generator=g).to(DEVICE, DT)
     w = (torch.randn(*n_k, generator=g) * 0.02).to(DEVICE, DT)
     ref = F.linear(x.float(), w.float())
-    out = skinny_gemm(x, w).float()
-    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+    out = skinny_gemm(x, w)
+    assert out.dtype == DT and out.shape == (m, n_k[0])
+    assert ((out.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-4).all()  # atol: fp32 summation order
+    assert torch.equal(out, skinny_gemm(x, w))
