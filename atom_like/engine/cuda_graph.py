@@ -224,6 +224,6 @@ class DecodeGraphs:
 
     def _put(self, buffer: torch.Tensor, values: np.ndarray, fill: int | None = None, upto: int = 0) -> None:
         n = len(values)
-        buffer[:n].copy_(torch.from_numpy(values).to(self.device, non_blocking=True))
+        buffer[:n].copy_(torch.from_numpy(values), non_blocking=True)  # one host-to-device copy straight into place
         if fill is not None and upto > n:
             buffer[n:upto] = fill
