@@ -17,9 +17,10 @@ Timing: each call is captured once in a CUDA graph and the replay is timed with
 triton.testing.do_bench, which zeroes a 256 MB buffer before every repetition, so the 50 MB L2
 never holds the weights or KV from the previous repetition. Medians.
 `--profile` adds per-kernel times of one MoE call (torch.profiler); `--sweep` times alternative
-tile configurations (MoE GEMMs, MLA launch options) to tune the defaults.
+tile configurations (MoE GEMMs; MLA launch options and the fp8 upcast before the PTX one) of
+the parts run, to tune the defaults; `--parts mla --sweep` runs the MLA part alone.
 
-Usage: python ci/bench_mxfp4.py [--out DIR] [--quick] [--profile] [--sweep]
+Usage: python ci/bench_mxfp4.py [--out DIR] [--quick] [--parts moe,linear,mla] [--profile] [--sweep]
 Writes bench_mxfp4.json and bench_mxfp4.md to DIR (default $OUT or ./bench_out) and prints a
 short table last. Exit 1 if a correctness check fails.
 """
@@ -330,13 +331,14 @@ def _decode_metadata(batch: int, context: int, num_blocks: int, gen: torch.Gener
 
 
 def bench_mla(copy_gbps: float, batches=MLA_BATCHES, contexts=MLA_CONTEXTS, heads: int = 8,
-              latent: int = 512, rope: int = 64) -> list[MlaRow]:
+              latent: int = 512, rope: int = 64, kinds=("bf16", "fp8 e4m3fn")) -> list[MlaRow]:
     block_size = 16
     num_blocks = max(batches) * max(contexts) // block_size + 1
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     scale = torch.tensor([0.05], device=DEVICE)
     bf16_cache = torch.empty(num_blocks, block_size, latent + rope, dtype=torch.bfloat16, device=DEVICE).normal_()
     fp8_cache = quantize_fp8(bf16_cache, scale, torch.float8_e4m3fn)
+    caches = {"bf16": (bf16_cache, None), "fp8 e4m3fn": (fp8_cache, scale)}
     rows = []
     for context in contexts:
         for batch in batches:
@@ -344,7 +346,8 @@ def bench_mla(copy_gbps: float, batches=MLA_BATCHES, contexts=MLA_CONTEXTS, head
             q = torch.randn(batch, heads, latent + rope, generator=gen, device=DEVICE).bfloat16()
             out = torch.empty(batch, heads, latent, dtype=torch.bfloat16, device=DEVICE)
             times = {}
-            for kind, cache, kv_scale in (("bf16", bf16_cache, None), ("fp8 e4m3fn", fp8_cache, scale)):
+            for kind in kinds:
+                cache, kv_scale = caches[kind]
                 def run(cache=cache, kv_scale=kv_scale):
                     return mla_paged_attention(q[..., :latent], q[..., latent:], cache, *_meta_args(meta), 192**-0.5,
                                                kv_scale=kv_scale, out=out)
@@ -363,9 +366,9 @@ def bench_mla(copy_gbps: float, batches=MLA_BATCHES, contexts=MLA_CONTEXTS, head
                     del dense
                 elem = 1 if kv_scale is not None else 2
                 gbps = batch * (context * (latent + rope) * elem + heads * (2 * latent + rope) * 2) / times[kind] / 1e6
-                speedup = times["bf16"] / times[kind] if kind != "bf16" else None
+                speedup = times["bf16"] / times[kind] if kind != "bf16" and "bf16" in times else None
                 rows.append(MlaRow(kind, batch, context, times[kind] * 1e3, gbps, gbps / copy_gbps, speedup, err))
-    del bf16_cache, fp8_cache
+    del bf16_cache, fp8_cache, caches
     torch.cuda.empty_cache()
     return rows
 
@@ -374,24 +377,32 @@ def _meta_args(meta):
     return (meta.query_start_loc, meta.context_lens, meta.block_tables, meta.max_query_len, meta.max_context_len)
 
 
+MLA_SWEEP = [  # (fp8 upcast, (KV tokens per tile, warps, stages)); the first two are the defaults
+    ("ptx", (32, 4, 2)), ("triton", (32, 8, 2)),
+    ("ptx", (32, 4, 3)), ("ptx", (64, 8, 2)), ("ptx", (64, 8, 3)), ("ptx", (32, 8, 2)), ("ptx", (16, 4, 2)),
+]
+
+
 def sweep_mla(copy_gbps: float) -> list[dict]:
-    """fp8 MLA decode at 32k for alternative (tile, warps, stages) launch options."""
-    original = mla_mod.launch_options
+    """fp8 MLA decode at 32k, batch 8 and 64: launch options (tile, warps, stages) of the PTX
+    upcast path, and Triton's own upcast in the dot layout (the path before it) for comparison."""
+    original_options, original_ptx = mla_mod.launch_options, mla_mod.upcasts_with_ptx
     rows = []
     try:
-        for option in [(32, 8, 2), (16, 8, 2), (16, 4, 2), (32, 4, 2), (64, 8, 2)]:
-            mla_mod.launch_options = lambda fp8, option=option: option if fp8 else original(fp8)
+        for upcast, option in MLA_SWEEP:
+            label = f"{upcast} {option}"
+            mla_mod.launch_options = lambda kv_dtype, option=option: option
+            mla_mod.upcasts_with_ptx = (lambda kv_dtype: False) if upcast == "triton" else original_ptx
             try:
-                result = bench_mla(copy_gbps, batches=(8, 64), contexts=(32768,))
-                for r in result:
-                    if r.kv != "bf16":
-                        rows.append({"option": option, "batch": r.batch, "us": r.us, "fraction": r.fraction_of_copy})
-            except Exception as exc:
-                rows.append({"option": option, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-            print(f"  sweep MLA fp8 {option}: {[round(r.get('fraction', 0), 3) for r in rows if r['option'] == option]}",
+                for r in bench_mla(copy_gbps, batches=(8, 64), contexts=(32768,), kinds=("fp8 e4m3fn",)):
+                    rows.append({"option": label, "batch": r.batch, "us": r.us, "fraction": r.fraction_of_copy,
+                                 "rel_err": r.rel_err})
+            except Exception as exc:  # a variant the compiler rejects (resources): report, go on
+                rows.append({"option": label, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            print(f"  sweep MLA fp8 {label}: {[round(r.get('fraction', 0), 3) for r in rows if r['option'] == label]}",
                   flush=True)
     finally:
-        mla_mod.launch_options = original
+        mla_mod.launch_options, mla_mod.upcasts_with_ptx = original_options, original_ptx
     return rows
 
 
@@ -450,13 +461,14 @@ def to_markdown(results: dict) -> str:
         for r in results["sweep_moe"]:
             lines.append(f"| {r['shape']} | {r['tokens']} | {r['config']} | {r['us']:.1f} |")
     if results.get("sweep_mla"):
-        lines += ["", "## Sweep: fp8 MLA launch options (tile, warps, stages) at 32k", "", "| option | batch | µs | % copy |",
-                  "|---|---:|---:|---:|"]
+        lines += ["", "## Sweep: fp8 MLA upcast and launch options (tile, warps, stages) at 32k", "",
+                  "| upcast, option | batch | µs | % copy | rel err |", "|---|---:|---:|---:|---:|"]
         for r in results["sweep_mla"]:
             if "error" in r:
-                lines.append(f"| {r['option']} | - | {r['error']} | - |")
+                lines.append(f"| {r['option']} | - | {r['error']} | - | - |")
             else:
-                lines.append(f"| {r['option']} | {r['batch']} | {r['us']:.1f} | {r['fraction'] * 100:.0f}% |")
+                lines.append(f"| {r['option']} | {r['batch']} | {r['us']:.1f} | {r['fraction'] * 100:.0f}% | "
+                             f"{_fmt(r['rel_err'], '.1e')} |")
     lines += ["", "## Summary", ""] + [f"- {s}" for s in results["summary"]]
     return "\n".join(lines) + "\n"
 
@@ -473,6 +485,9 @@ def summarize(results: dict) -> tuple[list[str], list[str]]:
     for r in results.get("mla", []):
         if r["rel_err"] is not None and not r["rel_err"] <= REL_TOL:
             failures.append(f"MLA {r['kv']} batch {r['batch']} ctx {r['context']} rel err {r['rel_err']:.2e}")
+    for r in results.get("sweep_mla", []):
+        if r.get("rel_err") is not None and not r["rel_err"] <= REL_TOL:
+            failures.append(f"MLA sweep {r['option']} batch {r['batch']} rel err {r['rel_err']:.2e}")
     for shape in dict.fromkeys(r["shape"] for r in results.get("moe", [])):
         moe = [r for r in results["moe"] if r["shape"] == shape]
         bw = [r for r in moe if r["tokens"] >= 32]
@@ -546,9 +561,10 @@ def main() -> int:
     if args.profile:
         results["profile"] = profile_moe(MOE_SHAPES["Kimi TP8 E384 H7168 I256"])
         save()
-    if args.sweep:
+    if args.sweep and "moe" in parts:
         results["sweep_moe"] = sweep_moe(MOE_SHAPES)
         save()
+    if args.sweep and "mla" in parts:
         results["sweep_mla"] = sweep_mla(copy["gbps"])
         save()
     save()

@@ -7,14 +7,17 @@ picks there. Reports registers, spills and shared memory (LDS) and fails on a co
 register spill or scratch use, or shared memory above the target's per-block limit.
 
 AMD targets need only triton (its LLVM and linker are bundled). NVIDIA needs ptxas
-(TRITON_PTXAS_PATH, or ptxas on PATH); without it sm_90 is skipped with a note.
-Usage: python ci/compile_kernels.py [--targets sm90,gfx942,gfx950] [--quick]
+(TRITON_PTXAS_PATH, ptxas on PATH, or the one in triton's wheel); without it sm_90 is skipped.
+`--sass` also prints, per sm_90 variant, the instructions of the kernel's main loop (the longest
+backward branch in nvdisasm's listing) by opcode: what a loop costs a warp per iteration.
+Usage: python ci/compile_kernels.py [--targets sm90,gfx942,gfx950] [--quick] [--cases SUBSTRING] [--sass]
 Must run without TRITON_INTERPRET (interpreted kernels cannot be compiled).
 Uses Triton 3.6 internals (the JIT binder) to derive signatures the way a launch would.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import os
@@ -41,6 +44,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+if "TRITON_PTXAS_PATH" not in os.environ:
+    with contextlib.suppress(RuntimeError):  # triton's wheel bundles ptxas (and nvdisasm)
+        os.environ["TRITON_PTXAS_PATH"] = triton.knobs.nvidia.ptxas.path
 
 import kernels_rocm.fused_moe as fused_moe_mod  # noqa: E402
 import kernels_rocm.mla_decode as mla_mod  # noqa: E402
@@ -219,6 +226,7 @@ class Report:
     spilled_bytes: int
     shared: int
     error: str | None = None
+    loop_sass: collections.Counter | None = None  # sm_90 main-loop opcodes, with --sass
 
 
 def _nvidia_usage(ptx: str) -> tuple[int, int]:
@@ -233,6 +241,24 @@ def _nvidia_usage(ptx: str) -> tuple[int, int]:
     return registers, spills
 
 
+def loop_sass(cubin: bytes) -> collections.Counter:
+    """Opcodes (predicates dropped) of the longest loop in a cubin: the body between a label and
+    the last branch back to it, from triton's nvdisasm."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        listing = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", f.name],
+                                 capture_output=True, text=True, check=True).stdout.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(listing) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    body: list[str] = []
+    for i, line in enumerate(listing):
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if target and labels.get(target.group(1), i) < i:
+            candidate = [x for x in listing[labels[target.group(1)]:i + 1] if re.search(r"/\*[0-9a-f]{4}\*/", x)]
+            body = max(body, candidate, key=len)
+    return collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", x).group(1) for x in body)
+
+
 def _amd_usage(amdgcn: str) -> tuple[int, int]:
     """(VGPRs, spilled VGPR/SGPR count + scratch bytes) from the AMDGCN assembly metadata."""
     vgprs = int(re.search(r"\.vgpr_count:\s+(\d+)", amdgcn).group(1))
@@ -245,8 +271,8 @@ class _CompileInsteadOfLaunch:
     """While active, `kernel[grid](...)` compiles for `target` (with the arguments a launch would
     specialize on) and records a Report instead of launching."""
 
-    def __init__(self, target_name: str, case: str, reports: list[Report], seen: set):
-        self.target_name, self.case, self.reports, self.seen = target_name, case, reports, seen
+    def __init__(self, target_name: str, case: str, reports: list[Report], seen: set, sass: bool = False):
+        self.target_name, self.case, self.reports, self.seen, self.sass = target_name, case, reports, seen, sass
 
     def run(self, fn: JITFunction, *args, grid, warmup, **kwargs):
         target = TARGETS[self.target_name]
@@ -266,6 +292,8 @@ class _CompileInsteadOfLaunch:
             report.shared = compiled.metadata.shared
             usage = _amd_usage(compiled.asm["amdgcn"]) if target.is_hip else _nvidia_usage(compiled.asm["ptx"])
             report.registers, report.spilled_bytes = usage
+            if self.sass and not target.is_hip:
+                report.loop_sass = loop_sass(compiled.asm["cubin"])
         except Exception as exc:  # report every failure, keep compiling the rest
             report.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
         self.reports.append(report)
@@ -288,12 +316,12 @@ class _CompileInsteadOfLaunch:
                 m.IS_HIP = value
 
 
-def compile_all(targets: list[str], cases: list[str]) -> list[Report]:
+def compile_all(targets: list[str], cases: list[str], sass: bool = False) -> list[Report]:
     reports: list[Report] = []
     for target_name in targets:
         seen: set = set()
         for case in cases:
-            with _CompileInsteadOfLaunch(target_name, case, reports, seen).active():
+            with _CompileInsteadOfLaunch(target_name, case, reports, seen, sass).active():
                 CASES[case](target_name)
     return reports
 
@@ -315,16 +343,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--quick", action="store_true", help="one case per kernel family")
+    parser.add_argument("--cases", default="", help="only the cases whose name contains this")
+    parser.add_argument("--sass", action="store_true", help="sm_90 main-loop instructions by opcode")
     args = parser.parse_args()
     targets = [t for t in args.targets.split(",") if t]
     if "sm90" in targets and "TRITON_PTXAS_PATH" not in os.environ:
         print("compile_kernels: no ptxas found (set TRITON_PTXAS_PATH): skipping sm90")
         targets.remove("sm90")
-    reports = compile_all(targets, list(QUICK_CASES if args.quick else CASES))
+    cases = [c for c in (QUICK_CASES if args.quick else CASES) if args.cases in c]
+    reports = compile_all(targets, cases, args.sass)
     print("| case | kernel | target | regs | spills | shared B |\n|---|---|---|---:|---:|---:|")
     for r in reports:
         print(f"| {r.case} | {r.kernel} | {r.target} | {r.registers} | {r.spilled_bytes} | {r.shared} |"
               + (f" ERROR {r.error}" if r.error else ""))
+    for r in reports:
+        if r.loop_sass:
+            opcodes = ", ".join(f"{op} {n}" for op, n in r.loop_sass.most_common())
+            print(f"loop SASS | {r.case} | {r.kernel} | {sum(r.loop_sass.values())} | {opcodes} |")
     failed = failures(reports)
     for line in failed:
         print("FAIL", line)

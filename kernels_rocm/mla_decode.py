@@ -12,7 +12,9 @@ MHA kernel (see `_attention_common`). Cache offsets are int64 (block ids >= 65,5
 
 An fp8 cache (one fp32 scale for the whole latent row) is read as fp8, half the bytes of bf16,
 and upcast exactly to fp16 for the dots (q and the probabilities too, fp32 accumulation); the
-scale multiplies the scores and the output instead of every element.
+scale multiplies the scores and the output instead of every element. On CUDA (e4m3fn) the tile
+is async-copied as fp8, upcast once by `e4m3fn_to_f16_ptx` and staged in shared memory as fp16,
+so both dots read it as they read a bf16 tile; ROCm and the interpreter use Triton's conversion.
 """
 from __future__ import annotations
 
@@ -45,6 +47,25 @@ from kernels_rocm._util import (
 MAX_HEADS_PER_PROGRAM = 16  # a [16, 512] fp32 accumulator is what fits registers comfortably
 
 
+@triton.jit
+def e4m3fn_to_f16_ptx(x):
+    """e4m3fn -> fp16 (exact), two elements an instruction, as a layout barrier.
+
+    Written with Triton's own conversion, the upcast is moved into the dot-operand layout (to
+    save a shared-memory round trip) and the operand's kWidth follows the 8-bit origin, so the
+    value tile, needed with tokens along K, is read from shared memory byte by byte (sm_90 has
+    no 8-bit ldmatrix.trans), while the async-copy pipeline skips the tile. Inline asm marked
+    impure is neither moved nor looked through: the tile is async-copied as fp8, upcast once in
+    registers, stored as fp16 and read by both dots with ldmatrix / ldmatrix.trans, as bf16 is.
+    sm_90 decode loop per 32 tokens: 2,592 warp-instructions (4 warps) instead of 6,288 (8 warps,
+    64 LDS.U8 each); tests/test_kernels_compile.py checks the SASS.
+    """
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+    )
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _mla_attention_kernel(
     q_latent_ptr, q_pe_ptr, kv_cache_ptr, out_ptr, kv_scale_ptr,
@@ -64,6 +85,7 @@ def _mla_attention_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     FP8: tl.constexpr,  # the cache holds fp8 rows, dequantization scale at kv_scale_ptr
+    FP8_PTX: tl.constexpr,  # e4m3fn rows on CUDA: upcast with e4m3fn_to_f16_ptx
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     head_group = tl.program_id(1)
@@ -124,8 +146,12 @@ def _mla_attention_kernel(
         k_pe = tl.load(
             kv_row[:, None] + LATENT_DIM + offs_r[None, :], mask=pos_valid[:, None] & r_valid[None, :], other=0.0
         )
-        c_kv = c_kv.to(q_lat.dtype)
-        k_pe = k_pe.to(q_lat.dtype)
+        if FP8_PTX:
+            c_kv = e4m3fn_to_f16_ptx(c_kv)
+            k_pe = e4m3fn_to_f16_ptx(k_pe)
+        else:
+            c_kv = c_kv.to(q_lat.dtype)
+            k_pe = k_pe.to(q_lat.dtype)
         scores = tl.dot(q_lat, tl.trans(c_kv), input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(pos[None, :] <= last_visible[:, None], scores, float("-inf"))
@@ -142,13 +168,24 @@ def _mla_attention_kernel(
     )
 
 
-def launch_options(fp8: bool) -> tuple[int, int, int]:
-    """(KV tokens per tile, warps, pipeline stages). ROCm: a 32 x 576 bf16 tile per stage
-    overflows MI300's 64 KB LDS. fp8: with 4 warps the upcast operands spill (255 registers on
-    sm_90, VGPRs on gfx950); 8 warps fit (about 210 / 190)."""
+def upcasts_with_ptx(kv_dtype: torch.dtype) -> bool:
+    """Whether an fp8 cache of `kv_dtype` is upcast by `e4m3fn_to_f16_ptx` (e4m3fn on CUDA, where
+    Triton accepts e4m3fn only from sm_89, which has the instruction). Elsewhere Triton's own
+    conversion runs: on ROCm (e4m3fnuz on gfx942, e4m3fn on gfx950) and in the interpreter."""
+    return kv_dtype == torch.float8_e4m3fn and not IS_HIP and not UPCAST_DOT
+
+
+def launch_options(kv_dtype: torch.dtype) -> tuple[int, int, int]:
+    """(KV tokens per tile, warps, pipeline stages) for a cache of `kv_dtype`. ROCm: a 32 x 576
+    bf16 tile per stage overflows MI300's 64 KB LDS. CUDA: the PTX fp8 path stages the tile as
+    bf16 is staged and fits 4 warps (246 registers on sm_90: two programs an SM); Triton's fp8
+    upcast in the dot-operand layout spills with 4 warps (255 + spill), so it takes 8."""
+    fp8 = kv_dtype in FP8_DTYPES
     if IS_HIP:
         return (16, 8, 1) if fp8 else (16, 4, 1)
-    return (32, 8, 2) if fp8 else (32, 4, 2)
+    if fp8 and not upcasts_with_ptx(kv_dtype):
+        return 32, 8, 2
+    return 32, 4, 2
 
 
 def _check_inputs(
@@ -217,7 +254,7 @@ def mla_paged_attention(
         num_kv_splits, active_programs, max_query_len, max_context_len, out, latent_pad, programs_per_compute_unit=2
     )
 
-    tile_n, num_warps, num_stages = launch_options(fp8)
+    tile_n, num_warps, num_stages = launch_options(kv_cache.dtype)
     grid = (num_tokens // block_q + num_seqs, head_groups, num_kv_splits)
     _mla_attention_kernel[grid](
         q_latent, q_pe, kv_cache, out, kv_scale if fp8 else q_latent,
@@ -235,7 +272,8 @@ def mla_paged_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         NUM_SEGMENTS=num_kv_splits,
-        FP8=fp8, UPCAST=UPCAST_DOT,
+        FP8=fp8, FP8_PTX=upcasts_with_ptx(kv_cache.dtype),
+        UPCAST=UPCAST_DOT,
         DOT_PRECISION=dot_precision(torch.float16 if fp8 and not UPCAST_DOT else q_latent.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -8,8 +8,8 @@ Tolerance as in test_kernels_gpu.py: bf16 kernels vs fp32 references built from 
 dequantized by model_ops.quant.fp8), relative error ||out - ref|| / ||ref|| < 1e-2, all finite.
 Sizes: Kimi-K2.5 TP8 rank (E384, top-8, H7168, I256) and the full expert width (I2048, fewer
 experts to bound memory), the TP8 shared-expert and dense shapes, Kimi MLA 8 heads 512+64 with
-fp8 latent rows in a pool past 4 GiB (block ids >= 65,536), the EAGLE3 MHA draft; graph
-capture and replay with new routing / new scale values.
+fp8 latent rows in a pool past 4 GiB (block ids >= 65,536) and the CUDA fp8 upcast for every
+byte, the EAGLE3 MHA draft; graph capture and replay with new routing / new scale values.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import triton.language as tl
 from _kernel_cases import make_metadata, metadata_args  # tests/ is on sys.path via tests/conftest.py
 from kernels_rocm._mxfp4 import e2m1_pair_to_bf16_ptx, e8m0_to_bf16
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache
-from kernels_rocm.mla_decode import mla_paged_attention
+from kernels_rocm.mla_decode import e4m3fn_to_f16_ptx, mla_paged_attention
 from kernels_rocm.mxfp4_linear import mxfp4_linear
 from kernels_rocm.mxfp4_moe import fused_moe_mxfp4
 from kernels_rocm.paged_attention import paged_attention
@@ -131,6 +131,26 @@ def test_ptx_decode_is_exact_for_every_byte_and_scale():
     _decode_probe_kernel[(packed.shape[0],)](packed, scale, out)
     expected = dequantize_mxfp4(packed, scale).bfloat16()
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
+@triton.jit
+def _fp8_upcast_probe_kernel(codes_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, e4m3fn_to_f16_ptx(tl.load(codes_ptr + offs)))
+
+
+@pytest.mark.skipif(torch.version.hip is not None, reason="the PTX upcast is the CUDA path")
+def test_ptx_fp8_upcast_is_exact_for_every_byte():
+    """Every e4m3fn byte, at each byte position of a 32-bit word, upcasts to torch's fp16 value
+    bit for bit (subnormals and -0 included); 0x7F / 0xFF are NaN."""
+    every = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    codes = torch.cat([every.roll(k) for k in range(4)]).view(torch.float8_e4m3fn)  # byte b at word position (b + k) % 4
+    out = torch.empty(codes.shape, dtype=torch.float16, device=DEVICE)
+    _fp8_upcast_probe_kernel[(1,)](codes, out, N=codes.numel())
+    expected = codes.to(torch.float16)
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan) and nan.sum() == 8
+    assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
 
 
 LINEAR_SHAPES = {"shared_gate_up_tp8": (512, 7168), "shared_down_tp8": (7168, 256), "dense_down_tp8": (7168, 2304)}
