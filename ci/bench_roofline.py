@@ -334,7 +334,7 @@ def bench_gemm(clock: Clock, ms: list[int], copy_gbps: float, smoke: bool) -> li
             x = torch.randn(m, k, generator=g, device=clock.device).to(dtype)
             ref = F.linear(x.float(), w.float())
             cublas_us = clock.kernel_us(lambda: F.linear(x, w))
-            default = default_config(m, n, clock.device)
+            default = default_config(m)
             configs = [GemvConfig(8, 1), GemvConfig(4, 2)] if smoke else gemv_sweep(m)
             sweep = {}
             for config in dict.fromkeys([default, *configs]):  # the default first, once

@@ -18,9 +18,9 @@ in a fixed summation order (deterministic run to run). Every decision is made fr
 the call is CUDA/HIP-graph capturable. For M > 8 use F.linear: the split-K tl.dot kernel this
 replaced beat cuBLAS only on the LM head at M = 16 (3%) on an H100.
 
-Not wired into model_ops yet: ci/bench_roofline.py (part `gemm`) measures it against cuBLAS on
-the 8B projections over a sweep of `GemvConfig`s; a model path should take it per (N, K) where
-that says so.
+model_ops.linear.dense takes it on NVIDIA GPUs for M <= FASTER_THAN_CUBLAS_UP_TO_M, where
+ci/bench_roofline.py (part `gemm`, a sweep of `GemvConfig`s against cuBLAS on the 8B projections)
+measured it faster; never run on AMD hardware, so ROCm keeps its GEMM library.
 """
 from __future__ import annotations
 
@@ -36,12 +36,10 @@ from kernels_rocm._util import (
     check_dim,
     check_same_device,
     check_tensor,
-    num_compute_units,
 )
 
 MAX_M = 8  # rows of x a launch takes; beyond, accumulators (BLOCK_M x BLOCK_N a lane) crowd registers
 NUM_WARPS = (1, 2, 4, 8)
-PROGRAMS_PER_COMPUTE_UNIT = 4  # default_config narrows BLOCK_N until the grid has this many per SM / CU
 
 
 @dataclass(frozen=True)
@@ -57,13 +55,15 @@ class GemvConfig:
     num_warps: int = 4
 
 
-def default_config(m: int, n: int, device: torch.device) -> GemvConfig:
-    """The widest BLOCK_N (<= 16, register-bounded by M) whose grid still has
-    PROGRAMS_PER_COMPUTE_UNIT programs per compute unit; 4 warps."""
-    block_n = min(16, 64 // triton.next_power_of_2(max(m, 1)))
-    while block_n > 1 and triton.cdiv(n, block_n) < PROGRAMS_PER_COMPUTE_UNIT * num_compute_units(device):
-        block_n //= 2
-    return GemvConfig(block_n=block_n)
+def default_config(m: int) -> GemvConfig:
+    """The launch shape measured best across the Llama-3.1-8B projections (qkv, o_proj, gate_up,
+    down, lm_head) on an H100 (docs/benchmarks.md section 8, sweep of 12-20 configs): 4 rows a
+    program, 8 warps at M <= 2 (within 1.6% of each shape's best) and 2 warps from M = 3 (within
+    2.1% at M = 4). Four rows keep >= 1,000 programs on every one of those shapes."""
+    return GemvConfig(block_n=4, num_warps=8 if m <= 2 else 2)
+
+
+FASTER_THAN_CUBLAS_UP_TO_M = 4  # same sweep: faster than cuBLAS on all five shapes at M 1, 2, 4; slower on all at 8
 
 
 @triton.jit
@@ -112,7 +112,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = No
     n = w.shape[0]
     if m > MAX_M:
         raise ValueError(f"x has {m} rows: skinny_gemm takes at most {MAX_M} (use F.linear)")
-    config = config or default_config(m, n, x.device)
+    config = config or default_config(m)
     if config.block_n < 1 or config.block_n & (config.block_n - 1):
         raise ValueError(f"GemvConfig.block_n must be a power of two, got {config.block_n}")
     if config.num_warps not in NUM_WARPS:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_ops import tp
+from model_ops.linear import dense
 from model_ops.tp import TPSlice
 
 
@@ -49,7 +50,7 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab]: sampling and verification compare probabilities, so round
         once, late. Ranks gather in the model dtype (half the bytes); the cast is exact."""
-        return tp.all_gather(F.linear(hidden, self.weight), dim=-1).float()
+        return tp.all_gather(dense(hidden, self.weight), dim=-1).float()
 
     def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice:
         return TPSlice(0, self.vocab_size, (self.rows,))
