@@ -150,3 +150,27 @@ def upload(step: HostStep, device: torch.device) -> StepInputs:
     )
     return StepInputs(dev(step.input_ids, torch.int64), dev(step.positions, torch.int64), meta,
                       dev(step.logits_rows, torch.int64), step.rows_per_seq)
+
+
+def advance_followers(index: torch.Tensor, num_accepted: torch.Tensor, token_ids: torch.Tensor,
+                      drafts: torch.Tensor | None, input_ids: torch.Tensor, positions: torch.Tensor,
+                      context_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
+                      block_size: int) -> None:
+    """Give the sequences that follow the previous step what it sampled, in place (torch ops; on a
+    GPU the runner takes kernels_rocm.step_advance.advance, one kernel). index [3, F] int64: for each following sequence, its row in the previous step's
+    outputs, its batch row in this step and its first input column. num_accepted [S], token_ids
+    [S, K + 1] (accepted drafts then the emitted token), drafts [S, k] or None: the previous
+    step's outputs. The rest are this step's inputs (input_ids, positions, slot_mapping [T];
+    context_lens [B] int32; block_tables [B, W] int32)."""
+    src, seqs, starts = index
+    accepted = num_accepted[src]
+    first = token_ids[src].gather(1, accepted[:, None])
+    q = 1 + (drafts.shape[1] if drafts is not None else 0)
+    ids = torch.cat([first, drafts[src]], dim=1) if q > 1 else first
+    cols = starts[:, None] + torch.arange(q, device=starts.device)
+    input_ids[cols] = ids
+    moved = positions[cols] + accepted[:, None]
+    positions[cols] = moved
+    context_lens[seqs] += accepted.to(context_lens.dtype)
+    blocks = block_tables[seqs][:, None, :].expand(-1, q, -1).gather(2, (moved // block_size)[..., None]).squeeze(2)
+    slot_mapping[cols] = blocks.long() * block_size + moved % block_size

@@ -1,0 +1,71 @@
+"""Advance a decode step's inputs on the device by what the step before it accepted, in one kernel.
+
+With overlapped scheduling the host prepares step N + 1 before step N's results are known, so a
+sequence that follows step N gets placeholders, and the device fills them in once step N has run:
+its first input token is step N's emitted token, the next are step N's draft proposals, and its
+positions, cache slots and context length move by step N's accepted count. In torch that is ~20
+small kernels (gathers, a concatenation, index writes, the slot arithmetic) between two graph
+replays, where the GPU would otherwise go straight on: at batch 1 on the Llama-3.1-8B shape they
+were most of the GPU's idle time (docs/benchmarks.md section 8). Here one program per following
+sequence does all of it. atom_like.engine.step_inputs.advance_followers is the torch version:
+the CPU path (which needs no triton) and the oracle.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_rocm._util import check_same_device, check_tensor
+
+
+@triton.jit
+def _advance_kernel(
+    index_ptr, stride_index, accepted_ptr, token_ptr, stride_token, drafts_ptr, stride_drafts,
+    input_ids_ptr, positions_ptr, context_lens_ptr, tables_ptr, stride_table, slots_ptr,
+    Q: tl.constexpr, Q_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    f = tl.program_id(0)
+    src = tl.load(index_ptr + f)
+    seq = tl.load(index_ptr + stride_index + f)
+    start = tl.load(index_ptr + 2 * stride_index + f)
+    accepted = tl.load(accepted_ptr + src).to(tl.int64)
+    first = tl.load(token_ptr + src * stride_token + accepted)
+    j = tl.arange(0, Q_PAD)
+    valid = j < Q
+    drafts = tl.load(drafts_ptr + src * stride_drafts + j - 1, mask=valid & (j > 0), other=0)
+    cols = start + j
+    tl.store(input_ids_ptr + cols, tl.where(j == 0, first, drafts), mask=valid)
+    moved = tl.load(positions_ptr + cols, mask=valid, other=0) + accepted
+    tl.store(positions_ptr + cols, moved, mask=valid)
+    context = tl.load(context_lens_ptr + seq)
+    tl.store(context_lens_ptr + seq, context + accepted.to(context.dtype))
+    blocks = tl.load(tables_ptr + seq * stride_table + moved // BLOCK_SIZE, mask=valid, other=0)
+    tl.store(slots_ptr + cols, blocks.to(tl.int64) * BLOCK_SIZE + moved % BLOCK_SIZE, mask=valid)
+
+
+def advance(index: torch.Tensor, num_accepted: torch.Tensor, token_ids: torch.Tensor, drafts: torch.Tensor | None,
+            input_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+            block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+    """atom_like.engine.step_inputs.advance_followers in one launch (same arguments, same result)."""
+    check_tensor("index", index, 2, (torch.int64,))
+    check_tensor("token_ids", token_ids, 2, (torch.int64,))
+    for name, t in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slot_mapping)):
+        check_tensor(name, t, 1, (torch.int64,))
+    check_tensor("context_lens", context_lens, 1, (torch.int32,))
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_same_device(index=index, token_ids=token_ids, input_ids=input_ids, block_tables=block_tables)
+    if index.shape[0] != 3:
+        raise ValueError(f"index has shape {tuple(index.shape)}: expected [3, followers] (source row, batch row, first column)")
+    if drafts is not None:
+        check_tensor("drafts", drafts, 2, (torch.int32, torch.int64))
+    q = 1 + (drafts.shape[1] if drafts is not None else 0)
+    followers = index.shape[1]
+    if followers == 0:
+        return
+    _advance_kernel[(followers,)](
+        index, index.stride(0), num_accepted, token_ids, token_ids.stride(0),
+        drafts if drafts is not None else token_ids, drafts.stride(0) if drafts is not None else 0,
+        input_ids, positions, context_lens, block_tables, block_tables.stride(0), slot_mapping,
+        Q=q, Q_PAD=triton.next_power_of_2(q), BLOCK_SIZE=block_size,
+    )
