@@ -304,3 +304,30 @@ def test_a_seeded_sampling_request_pins_k(llama, make_eagle3_llama):
         engine.draft_policy = Cycle(pattern, 5)
         outs.append(engine.generate(prompts, params, use_tqdm=False)[0].token_ids)
     assert outs[0] == outs[1]
+
+
+def test_adaptive_steps_read_nothing_back(llama, make_eagle3_llama):
+    """With the real policy choosing k (here dropping from its prior towards 0 and probing back:
+    a random draft), neither a launch nor the choice of k reads a device value: the host never
+    waits for the device before the step's collect (each read is a synchronisation on a GPU)."""
+    from test_overlap import no_device_reads
+
+    path, baseline = llama
+    engine = LLMEngine(path, max_model_len=128, method="eagle3", draft_model=make_eagle3_llama(path, aux_layer_ids=[0, 1, 2]),
+                       num_speculative_tokens=3, speculative_adaptive=True)
+    runner, policy = engine.runner, engine.draft_policy
+    networks = [runner.model, runner.proposer.draft]
+    launch, choose, chosen = runner.launch, policy.choose, []
+
+    def checked_launch(batch):
+        with no_device_reads(networks):
+            launch(batch)
+
+    def checked_choose(step, num_seqs):
+        with no_device_reads([]):
+            chosen.append(choose(step, num_seqs))
+        return chosen[-1]
+
+    runner.launch, policy.choose = checked_launch, checked_choose
+    assert generate(engine) == baseline
+    assert len(set(chosen)) > 1, chosen
