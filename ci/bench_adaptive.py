@@ -23,7 +23,7 @@ window is slower than its neighbours.
 Part "samek" (host overhead at the same k): on the SmolLM2 pair where it is cached, and on the tiny
 shape (whose steps are all host work on a GPU), windows of fixed k and of the adaptive policy
 pinned at k (its own code runs every step; flat costs make k its choice), so that the two differ
-only by the policy: `--rounds` rounds, each after a window at the largest k and with fixed and
+only by the policy: `--rounds` rounds, each after a window at fixed `--k` and with fixed and
 pinned first in turns (an order effect shows as the first window of a round being slower); plus
 a pattern through k = 0 (0, k, 0, k ...), whose returns from 0 ran eagerly before the first pass
 was captured at width 1. Per mode: median and mean ms a step, eager steps, and per step the torch
@@ -330,7 +330,7 @@ def profile_steps(engine, steps: int) -> dict:
         for _ in range(steps):
             engine.step()
         sys.setprofile(None)
-        sync()
+    sync()  # outside: its own synchronize is not the steps'
     for e in prof.key_averages():
         if e.key.startswith("aten::"):
             counts["ops"] += e.count
@@ -344,7 +344,7 @@ def profile_steps(engine, steps: int) -> dict:
 def run_samek(args, out: dict) -> None:
     from atom_like import LLMEngine, SamplingParams
 
-    k_max = max(args.samek_k)
+    k_max = max(args.k, *args.samek_k)  # the engine's k, that of each round's first ("heavy") window
     max_tokens = (args.warm + args.zoo_steps + 16) * (k_max + 1)  # a window's requests: prefill, warm, timed, profiled
     engines = []
     pair = resolve_zoo_pair()  # the real pair where it is cached (the one docs/benchmarks.md 11 measured)
