@@ -358,8 +358,8 @@ def run_samek(args, out: dict) -> None:
         engines.append(("smollm2", spec, spec.vocab_size))
     shape, dtype = (TINY, "float32") if args.smoke or not torch.cuda.is_available() else (TINY, "bfloat16")
     target, draft = write_configs(Path(tempfile.mkdtemp()), shape, dtype)
-    common = dict(load_format="dummy", max_model_len=args.prompt_len + max_tokens + 2 * k_max + 16, max_num_seqs=max(args.batches),
-                  enable_prefix_caching=False)
+    common = dict(load_format="dummy", max_model_len=args.prompt_len + max_tokens + 2 * k_max + 16,
+                  max_num_seqs=max(args.batches), enable_prefix_caching=False)
     if torch.cuda.is_available():
         common.update(gpu_memory_utilization=0.2)
     tiny, set_m = forced_engine(target, draft, k_max, **common)
@@ -376,15 +376,15 @@ def run_samek(args, out: dict) -> None:
                     # each round starts after a window at the largest k (as the zoo part's adaptive window
                     # follows k = 5) and alternates which of fixed and pinned comes first: an order
                     # effect shows as the first window being slower whatever its mode
-                    pair = ("fixed", "pinned") if rnd % 2 == 0 else ("pinned", "fixed")
-                    modes = (("heavy",) if k < k_max else ()) + pair + (("zero",) if rnd == 0 else ())
+                    order = ("fixed", "pinned") if rnd % 2 == 0 else ("pinned", "fixed")
+                    modes = (("heavy",) if k < k_max else ()) + order + (("zero",) if rnd == 0 else ())
                     for mode in modes:
                         engine.draft_policy = samek_policy(engine, mode, k_max if mode == "heavy" else k)
                         ids = prefill(engine, prompts, params, f"s{name}{bs}{k}{mode}{rnd}")
                         for _ in range(args.warm):
                             engine.step()
                         times, ks, watched = timed_steps(engine, args.zoo_steps)
-                        row = dict(engine=name, batch=bs, k=k, mode=mode, round=rnd, first=mode == pair[0],
+                        row = dict(engine=name, batch=bs, k=k, mode=mode, round=rnd, first=mode == order[0],
                                    median_step_ms=statistics.median(times) * 1e3, mean_step_ms=sum(times) / len(times) * 1e3,
                                    k_steps=dict(collections.Counter(ks)), **watched)
                         if rnd == 0 and k == args.samek_k[0]:
@@ -394,7 +394,6 @@ def run_samek(args, out: dict) -> None:
                 line = [r for r in rows if (r["engine"], r["batch"], r["k"]) == (name, bs, k)]
                 print(f"samek {name} batch {bs} k={k}: " + ", ".join(
                     f"{r['mode']} {r['median_step_ms']:.2f} ms ({r['eager_steps']} eager)" for r in line), flush=True)
-        del engine
 
 
 def samek_markdown(rows: list[dict]) -> list[str]:
