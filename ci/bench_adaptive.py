@@ -14,19 +14,36 @@ temperature 0 and 1: the same modes on real acceptance. Skipped, with a note, wh
 not in the cache.
 
 Each point: a batch of requests prefilled, `--warm` decode steps untimed (the adaptive policy
-starts fresh and settles there), then `--steps` decode steps timed; tokens/s = tokens generated
-in the timed steps / their wall time. Writes $OUT/bench_adaptive.{json,md,png}.
+starts fresh and settles there), then `--steps` decode steps timed (`--zoo-steps` in the zoo part,
+whose acceptance is noisy); tokens/s = tokens generated in the timed steps / their wall time. Every
+window also records its median step, the steps that ran eagerly instead of replaying graphs, and
+the full (generation 2) garbage collections that fell inside it, the usual suspects when one
+window is slower than its neighbours.
+
+Part "samek" (host overhead at the same k): on the SmolLM2 pair where it is cached, and on the tiny
+shape (whose steps are all host work on a GPU), windows of fixed k and of the adaptive policy
+pinned at k (its own code runs every step; flat costs make k its choice), so that the two differ
+only by the policy: `--rounds` rounds, each after a window at fixed `--k` and with fixed and
+pinned first in turns (an order effect shows as the first window of a round being slower); plus
+a pattern through k = 0 (0, k, 0, k ...), whose returns from 0 ran eagerly before the first pass
+was captured at width 1. Per mode: median and mean ms a step, eager steps, and per step the torch
+ops, host reads of device values (aten::_local_scalar_dense) and, on CUDA, synchronising runtime
+calls (torch.profiler). Writes the same files.
 
     python ci/bench_adaptive.py                 # GPU, ~6-8 min on one H100
     python ci/bench_adaptive.py --smoke         # CPU, tiny model, < 1 min (tests/test_bench_adaptive.py)
+    python ci/bench_adaptive.py --parts samek --batches 1,64,128   # GPU: ~1 min
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import gc
 import json
 import os
 import sys
 import tempfile
+import statistics
 import time
 from pathlib import Path
 
@@ -87,32 +104,85 @@ def policy_for(engine, mode: str):
     return FixedDraftLength(int(mode.removeprefix("k=")))
 
 
+class Watch:
+    """What a timed window did besides its steps: steps that ran eagerly instead of replaying the
+    decode graphs (counted where the runner decides), and full garbage collections (gc.callbacks)."""
+
+    def __init__(self, engine):
+        self.eager, self.gc2, self.gc2_seconds, self._start = 0, 0, 0.0, 0.0
+        self.graphs = engine.runner.graphs  # None with --enforce-eager: every step is eager anyway
+        if self.graphs is not None:
+            self.graphs.eligible = self._eligible
+        gc.callbacks.append(self._gc)
+
+    def _eligible(self, batch) -> bool:
+        ok = type(self.graphs).eligible(self.graphs, batch)
+        self.eager += not ok
+        return ok
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self._start = time.perf_counter()
+            else:
+                self.gc2, self.gc2_seconds = self.gc2 + 1, self.gc2_seconds + time.perf_counter() - self._start
+
+    def close(self) -> dict:
+        gc.callbacks.remove(self._gc)
+        if self.graphs is not None:
+            del self.graphs.eligible  # the class's own again
+        return dict(eager_steps=self.eager, gc2=self.gc2, gc2_ms=self.gc2_seconds * 1e3)
+
+
+def prefill(engine, prompts: list[list[int]], params, tag: str) -> list[str]:
+    ids = [engine.add_request(None, params, request_id=f"{tag}-{i}", prompt_ids=p) for i, p in enumerate(prompts)]
+    running = engine.scheduler.running
+    while any(s.num_generated == 0 for s in running) or len(running) < len(prompts):  # every prompt prefilled
+        engine.step()
+    return ids
+
+
+def finish(engine, ids: list[str]) -> None:
+    for request_id in ids:
+        engine.abort_request(request_id)
+    engine.step()  # collects the step in flight
+
+
+def timed_steps(engine, steps: int) -> tuple[list[float], list[int], dict]:
+    """Seconds of each of `steps` steps (the host's period: with overlap a step returns once the one
+    before it is done), the k each launched, and what else happened (Watch)."""
+    watch, times, ks = Watch(engine), [], []
+    sync()
+    last = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+        ks.append(engine.scheduler.num_drafts_in_flight)
+    sync()
+    times[-1] += time.perf_counter() - last
+    return times, ks, watch.close()
+
+
 def measure(engine, prompts: list[list[int]], params, warm: int, steps: int, tag: str) -> dict:
     """Tokens/s over `steps` decode steps after `warm` untimed ones (prefill included in those)."""
-    ids = [engine.add_request(None, params, request_id=f"{tag}-{i}", prompt_ids=p) for i, p in enumerate(prompts)]
+    ids = prefill(engine, prompts, params, tag)
     running = engine.scheduler.running
 
     def generated() -> int:
         return sum(s.num_generated for s in running)
 
-    while any(s.num_generated == 0 for s in running) or len(running) < len(prompts):  # every prompt prefilled
-        engine.step()
     for _ in range(warm):
         engine.step()
-    spec0, k0 = engine.spec_stats.snapshot(), []
-    sync()
-    start, before = time.perf_counter(), generated()
-    for _ in range(steps):
-        engine.step()
-        k0.append(engine.scheduler.num_drafts_in_flight)
-    sync()
-    elapsed, tokens = time.perf_counter() - start, generated() - before
+    spec0, before = engine.spec_stats.snapshot(), generated()
+    times, k0, watched = timed_steps(engine, steps)
+    elapsed, tokens = sum(times), generated() - before
     spec = engine.spec_stats.snapshot().minus(spec0)
-    for request_id in ids:
-        engine.abort_request(request_id)
-    engine.step()  # collects the step in flight
+    finish(engine, ids)
     return dict(tokens_per_s=tokens / elapsed, tokens=tokens, seconds=elapsed, mean_k=sum(k0) / len(k0),
-                mean_acceptance_length=spec.mean_acceptance_length if spec.num_drafts else 1.0)
+                k_steps=dict(collections.Counter(k0)), median_step_ms=statistics.median(times) * 1e3,
+                mean_acceptance_length=spec.mean_acceptance_length if spec.num_drafts else 1.0, **watched)
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -168,19 +238,28 @@ def zoo_prompts(engine, n: int) -> list[list[int]] | None:
     return None
 
 
-def run_zoo(args, out: dict) -> None:
-    from atom_like import LLMEngine, SamplingParams
+def resolve_zoo_pair() -> tuple[str, str] | str:
+    """(target, draft) of the SmolLM2 pair, or why this machine's cache lacks it."""
     from atom_like.zoo.registry import resolve
 
     try:
         draft = str(resolve("smollm2-135m-eagle3", prepare_missing=False))  # trained by ci/train_zoo.sh, not shipped
-        target = str(resolve("smollm2-135m"))  # converted from a pip package on demand
+        return str(resolve("smollm2-135m")), draft  # the target: converted from a pip package on demand
     except Exception as e:  # noqa: BLE001 - the pair is not in this machine's cache
-        out["meta"]["zoo_skipped"] = f"{type(e).__name__}: {e}"
-        print(f"zoo part skipped: {e}")
+        return f"{type(e).__name__}: {e}"
+
+
+def run_zoo(args, out: dict) -> None:
+    from atom_like import LLMEngine, SamplingParams
+
+    pair = resolve_zoo_pair()
+    if isinstance(pair, str):
+        out["meta"]["zoo_skipped"] = pair
+        print(f"zoo part skipped: {pair}")
         return
+    target, draft = pair
     k, batches = args.k, args.batches
-    max_tokens = (args.warm + args.steps + 4) * (k + 1)
+    max_tokens = (args.warm + args.zoo_steps + 4) * (k + 1)
     common = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=max(batches), enable_prefix_caching=False,
                   gpu_memory_utilization=0.4)
     rows = out.setdefault("zoo", [])
@@ -195,15 +274,158 @@ def run_zoo(args, out: dict) -> None:
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=None)
         for bs in batches:
             batch = prompts[:bs]
-            r = measure(plain, batch, params, args.warm, args.steps, f"zplain{bs}t{temperature}")
+            r = measure(plain, batch, params, args.warm, args.zoo_steps, f"zplain{bs}t{temperature}")
             rows.append(dict(batch=bs, temperature=temperature, mode="off", **r))
             for mode in [f"k={j}" for j in range(1, k + 1)] + ["adaptive"]:
                 spec.draft_policy = policy_for(spec, mode)
-                r = measure(spec, batch, params, args.warm, args.steps, f"z{mode}{bs}t{temperature}")
+                r = measure(spec, batch, params, args.warm, args.zoo_steps, f"z{mode}{bs}t{temperature}")
                 rows.append(dict(batch=bs, temperature=temperature, mode=mode, **r))
             line = [r for r in rows if r["batch"] == bs and r["temperature"] == temperature]
             print(f"zoo T={temperature} batch {bs}: " + ", ".join(f"{r['mode']} {r['tokens_per_s']:.0f}" for r in line),
                   flush=True)
+
+
+# ----------------------------------------------------------------------------- same k: fixed vs the policy
+
+class Pattern:
+    """A DraftLengthPolicy that cycles through fixed ks (k = 0 included)."""
+
+    def __init__(self, pattern: tuple[int, ...]):
+        self.pattern, self.max_drafts = pattern, max(pattern)
+
+    def choose(self, step: int, num_seqs: int) -> int:
+        return self.pattern[step % len(self.pattern)]
+
+    def observe(self, step: int, drafted: int, accepted: int) -> None:
+        pass
+
+
+def samek_policy(engine, mode: str, k: int):
+    """fixed (and heavy): FixedDraftLength(k); pinned: the adaptive policy with flat step costs, so
+    that more drafts always pay and it chooses k every step while its bookkeeping runs as usual;
+    zero: 0, k, 0, k ..."""
+    from spec_decode.adaptive import AdaptiveDraftLength, FixedDraftLength, StepCosts
+
+    if mode in ("fixed", "heavy"):
+        return FixedDraftLength(k)
+    if mode == "pinned":
+        buckets = engine.runner.step_costs.buckets
+        return AdaptiveDraftLength(k, StepCosts(buckets, [[1.0] * (k + 1)] * len(buckets), "flat"))
+    return Pattern((0, k))
+
+
+def profile_steps(engine, steps: int) -> dict:
+    """Per step: torch ops, Python calls, host reads of device values, synchronising CUDA runtime calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    counts = collections.Counter()
+
+    def python_calls(frame, event, arg) -> None:
+        if event in ("call", "c_call"):
+            counts["python_calls"] += 1
+
+    with profile(activities=activities) as prof:
+        sys.setprofile(python_calls)
+        for _ in range(steps):
+            engine.step()
+        sys.setprofile(None)
+    sync()  # outside: its own synchronize is not the steps'
+    for e in prof.key_averages():
+        if e.key.startswith("aten::"):
+            counts["ops"] += e.count
+        if e.key in ("aten::_local_scalar_dense", "aten::item"):
+            counts["host_reads"] += e.count
+        if "Synchronize" in e.key or e.key in ("cudaMemcpy", "cudaHostAlloc", "cudaMalloc", "cudaFree"):
+            counts["syncing_calls"] += e.count
+    return {f"{name}_per_step": counts[name] / steps for name in ("ops", "python_calls", "host_reads", "syncing_calls")}
+
+
+def run_samek(args, out: dict) -> None:
+    from atom_like import LLMEngine, SamplingParams
+
+    k_max = max(args.k, *args.samek_k)  # the engine's k, that of each round's first ("heavy") window
+    max_tokens = (args.warm + args.zoo_steps + 16) * (k_max + 1)  # a window's requests: prefill, warm, timed, profiled
+    engines = []
+    pair = resolve_zoo_pair()  # the real pair where it is cached (the one docs/benchmarks.md 11 measured)
+    if isinstance(pair, str):
+        out["meta"]["samek_zoo_skipped"] = pair
+    else:
+        spec = LLMEngine(pair[0], method="eagle3", draft_model=pair[1], num_speculative_tokens=k_max,
+                         speculative_adaptive=True, max_model_len=args.prompt_len + max_tokens + 2 * k_max + 16,
+                         max_num_seqs=max(args.batches), enable_prefix_caching=False, dtype="bfloat16",
+                         gpu_memory_utilization=0.4)
+        engines.append(("smollm2", spec, spec.vocab_size))
+    shape, dtype = (TINY, "float32") if args.smoke or not torch.cuda.is_available() else (TINY, "bfloat16")
+    target, draft = write_configs(Path(tempfile.mkdtemp()), shape, dtype)
+    common = dict(load_format="dummy", max_model_len=args.prompt_len + max_tokens + 2 * k_max + 16,
+                  max_num_seqs=max(args.batches), enable_prefix_caching=False)
+    if torch.cuda.is_available():
+        common.update(gpu_memory_utilization=0.2)
+    tiny, set_m = forced_engine(target, draft, k_max, **common)
+    engines.append(("tiny", tiny, shape["vocab_size"]))
+    rows = out.setdefault("samek", [])
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for name, engine, vocab in engines:
+        for bs in args.batches:
+            prompts = random_prompts(bs, args.prompt_len, vocab, bs)
+            for k in args.samek_k:
+                if name == "tiny":
+                    set_m(k)  # every draft accepted: fixed and pinned see the same acceptance
+                for rnd in range(args.rounds):
+                    # each round starts after a window at the largest k (as the zoo part's adaptive window
+                    # follows k = 5) and alternates which of fixed and pinned comes first: an order
+                    # effect shows as the first window being slower whatever its mode
+                    order = ("fixed", "pinned") if rnd % 2 == 0 else ("pinned", "fixed")
+                    modes = (("heavy",) if k < k_max else ()) + order + (("zero",) if rnd == 0 else ())
+                    for mode in modes:
+                        engine.draft_policy = samek_policy(engine, mode, k_max if mode == "heavy" else k)
+                        ids = prefill(engine, prompts, params, f"s{name}{bs}{k}{mode}{rnd}")
+                        for _ in range(args.warm):
+                            engine.step()
+                        times, ks, watched = timed_steps(engine, args.zoo_steps)
+                        row = dict(engine=name, batch=bs, k=k, mode=mode, round=rnd, first=mode == order[0],
+                                   median_step_ms=statistics.median(times) * 1e3, mean_step_ms=sum(times) / len(times) * 1e3,
+                                   k_steps=dict(collections.Counter(ks)), **watched)
+                        if rnd == 0 and k == args.samek_k[0]:
+                            row.update(profile_steps(engine, 6))
+                        finish(engine, ids)
+                        rows.append(row)
+                line = [r for r in rows if (r["engine"], r["batch"], r["k"]) == (name, bs, k)]
+                print(f"samek {name} batch {bs} k={k}: " + ", ".join(
+                    f"{r['mode']} {r['median_step_ms']:.2f} ms ({r['eager_steps']} eager)" for r in line), flush=True)
+
+
+def samek_markdown(rows: list[dict]) -> list[str]:
+    lines = ["#### samek: ms a step at the same k, fixed vs the adaptive policy pinned there (median of the "
+             "rounds' median steps; mean step in brackets)", "",
+             "| engine | batch | k | fixed | pinned | pinned / fixed | 0,k,0,k pattern | eager steps fixed / pinned / pattern "
+             "| first / second window of a round | ops a step fixed / pinned | Python calls a step | host reads a step "
+             "| syncing calls a step | full GCs in windows |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    points = {}
+    for r in rows:
+        points.setdefault((r["engine"], r["batch"], r["k"]), []).append(r)
+    for (name, bs, k), rs in points.items():
+        by = {m: [r for r in rs if r["mode"] == m] for m in ("fixed", "pinned", "zero")}
+        med = {m: statistics.median(r["median_step_ms"] for r in v) for m, v in by.items()}
+        mean = {m: statistics.mean(r["mean_step_ms"] for r in v) for m, v in by.items()}
+        eager = " / ".join(str(sum(r["eager_steps"] for r in by[m])) for m in by)
+        pairs = [r for r in rs if r["mode"] in ("fixed", "pinned")]
+        first = statistics.median(r["median_step_ms"] for r in pairs if r["first"])
+        second = statistics.median(r["median_step_ms"] for r in pairs if not r["first"])
+        prof = {m: next((r for r in by[m] if "ops_per_step" in r), None) for m in by}
+        ops = (f"{prof['fixed']['ops_per_step']:.0f} / {prof['pinned']['ops_per_step']:.0f}" if prof["fixed"] else "-")
+        calls = (f"{prof['fixed']['python_calls_per_step']:.0f} / {prof['pinned']['python_calls_per_step']:.0f}"
+                 if prof["fixed"] else "-")
+        reads = (f"{prof['fixed']['host_reads_per_step']:.1f} / {prof['pinned']['host_reads_per_step']:.1f}"
+                 if prof["fixed"] else "-")
+        syncs = (f"{prof['fixed']['syncing_calls_per_step']:.1f} / {prof['pinned']['syncing_calls_per_step']:.1f}"
+                 if prof["fixed"] else "-")
+        lines.append(f"| {name} | {bs} | {k} | {med['fixed']:.2f} ({mean['fixed']:.2f}) | {med['pinned']:.2f} "
+                     f"({mean['pinned']:.2f}) | {med['pinned'] / med['fixed']:.3f}x | {med['zero']:.2f} ({mean['zero']:.2f}) "
+                     f"| {eager} | {first / second:.3f}x | {ops} | {calls} | {reads} | {syncs} | {sum(r['gc2'] for r in rs)} |")
+    return lines + [""]
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -249,6 +471,11 @@ def markdown(out: dict) -> str:
         worst_best = min(r["vs_best"] for r in v.values())
         lines += ["", f"Worst point: adaptive {worst_off:.2f}x no speculation (goal >= 0.98x), "
                       f"{worst_best:.2f}x the best fixed k (goal >= 0.95x).", ""]
+        odd = [f"batch {r['batch']} {key} {r[key]} {r['mode']}: {r['eager_steps']} eager steps, {r['gc2']} full GCs "
+               f"({r['gc2_ms']:.0f} ms), k {r['k_steps']}" for r in out[part] if r["eager_steps"] or r["gc2"]]
+        lines += ["Timed windows with eager steps or full garbage collections: " + ("; ".join(odd) or "none"), ""]
+    if out.get("samek"):
+        lines += samek_markdown(out["samek"])
     if meta.get("zoo_skipped"):
         lines += [f"zoo part skipped: {meta['zoo_skipped']}", ""]
     return "\n".join(lines)
@@ -292,27 +519,38 @@ def plot(out: dict, path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on CPU, batches 1 and 4, k <= 2, no zoo part")
+    parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on CPU, batches 1 and 4 (samek: 4), k <= 2, "
+                        "no zoo part; --parts samek for that part alone")
     parser.add_argument("--parts", default="forced,zoo")
     parser.add_argument("--k", type=int, default=5, help="the most drafts a step proposes")
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--warm", type=int, default=10)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--zoo-steps", type=int, default=48, help="timed steps of a zoo or samek window (real acceptance is noisy)")
+    parser.add_argument("--samek-k", default="1,2,3", help="the ks of the samek part")
+    parser.add_argument("--rounds", type=int, default=2, help="samek: rounds of fixed and pinned windows per point, in turns first")
     parser.add_argument("--prompt-len", type=int, default=64)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.k, args.batches, args.warm, args.steps, args.parts, args.prompt_len = 2, "1,4", 3, 3, "forced", 8
+        args.k, args.batches, args.warm, args.steps, args.prompt_len = 2, "1,4", 3, 3, 8
+        args.parts = "samek" if args.parts == "samek" else "forced"
+        args.zoo_steps, args.samek_k, args.rounds = 4, "2", 1
+        if args.parts == "samek":
+            args.batches = "4"
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.samek_k = [int(k) for k in args.samek_k.split(",")]
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    out = dict(meta=dict(device=device, date=time.strftime("%Y-%m-%d"), k=args.k, warm=args.warm, steps=args.steps,
+    out = dict(meta=dict(device=device, date=time.strftime("%Y-%m-%d"), k=args.k, warm=args.warm, steps=args.steps, zoo_steps=args.zoo_steps,
                          command=" ".join(["python ci/bench_adaptive.py", *(sys.argv[1:] if argv is None else argv)])))
     start = time.perf_counter()
     if "forced" in args.parts:
         run_forced(args, out)
     if "zoo" in args.parts:
         run_zoo(args, out)
+    if "samek" in args.parts:
+        run_samek(args, out)
     out["meta"]["seconds"] = time.perf_counter() - start
     for part, key in (("forced", "forced"), ("zoo", "temperature")):
         if out.get(part):

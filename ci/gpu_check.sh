@@ -18,7 +18,8 @@
 #
 # adaptive (not in the default set; one H100, ~6-8 min) runs ci/bench_adaptive.py: the 8B Llama shape with
 # forced acceptance 0..5 and the SmolLM2 zoo pair (from $ATOM_LIKE_CACHE) at temperature 0 and 1, batch
-# 1/8/32/64/128: no speculation vs fixed k = 1..5 vs adaptive k; $BENCH_ADAPTIVE_ARGS passes flags.
+# 1/8/32/64/128: no speculation vs fixed k = 1..5 vs adaptive k; $BENCH_ADAPTIVE_ARGS passes flags
+# (BENCH_ADAPTIVE_ARGS="--parts samek --batches 1,64,128 --samek-k 1,2": fixed k vs the policy pinned at k).
 #
 # mxfp4_accuracy (not in the default set) builds tiny-kimi-mxfp4 into the zoo cache and measures its
 # accuracy against tiny-kimi, with and without fp8 KV (ci/bench_mxfp4_accuracy.py).

@@ -53,15 +53,38 @@ def llama(make_llama):
 
 # ----------------------------------------------------------------------------- lossless while k switches
 
+def watch_static_path(engine) -> list[tuple[int, int, bool]]:
+    """(drafts verified, drafts proposed, replayed from the static buffers) of every pure decode step."""
+    graphs, seen = engine.runner.graphs, []
+    eligible = graphs.eligible
+
+    def watched(batch):
+        ok = eligible(batch)
+        if all(s.samples and len(s.token_ids) == 1 for s in batch.seqs):
+            seen.append((len(batch.seqs[0].spec_token_ids), batch.num_drafts, ok))
+        return ok
+
+    graphs.eligible = watched
+    return seen
+
+
 @pytest.mark.parametrize("overlap,eager", [(True, False), (False, False), (True, True)])
 def test_switching_k_is_lossless_mha(llama, make_eagle3_llama, overlap, eager):
+    """Through the static path (speculative_adaptive captures every k), every pure decode step is
+    replayed, the steps that return from k = 0 included (verify 0 drafts, propose k > 0): on a GPU
+    an eager one costs a whole step's kernel launches."""
     path, baseline = llama
     engine = LLMEngine(path, max_model_len=128, method="eagle3", draft_model=make_eagle3_llama(path, aux_layer_ids=[0, 1, 2]),
-                       num_speculative_tokens=5, overlap_scheduling=overlap, enforce_eager=eager)
+                       num_speculative_tokens=5, overlap_scheduling=overlap, enforce_eager=eager,
+                       speculative_adaptive=True)
     engine.draft_policy = policy = Cycle(PATTERN, 5)
+    decode_steps = [] if eager else watch_static_path(engine)
     assert generate(engine) == baseline
     assert set(policy.chosen) == set(PATTERN)
     assert {d for _, d, _ in policy.observed} == set(PATTERN) - {0}  # every k > 0 was verified
+    if not eager:
+        assert all(ok for _, _, ok in decode_steps), decode_steps
+        assert {(v, k) for v, k, _ in decode_steps} >= {(0, 3), (0, 2), (5, 0), (3, 1)}
     assert_no_leak(engine)
 
 
@@ -76,12 +99,14 @@ def test_switching_k_is_lossless_mla(make_deepseek, make_eagle3_mla):
     proposals = []
     for overlap, eager in ((True, False), (False, True)):
         engine = LLMEngine(target, max_model_len=64, method="eagle3", draft_model=draft, num_speculative_tokens=5,
-                           overlap_scheduling=overlap, enforce_eager=eager)
+                           overlap_scheduling=overlap, enforce_eager=eager, speculative_adaptive=True)
         engine.draft_policy = policy = Cycle(PATTERN, 5)
+        decode_steps = [] if eager else watch_static_path(engine)
         seen, collect = [], engine.runner.collect
         engine.runner.collect = lambda: seen.append(collect()) or seen[-1]
         assert generate(engine, prompts, params) == baseline
         assert {d for _, d, _ in policy.observed} >= {1, 3, 5}
+        assert all(ok for _, _, ok in decode_steps), decode_steps  # the static path, every k (0 -> k > 0 included)
         assert_no_leak(engine)
         proposals.append([[r.draft_token_ids for r in results] for results in seen[:12]])  # before any zombie step
     assert proposals[0] == proposals[1]
@@ -279,3 +304,30 @@ def test_a_seeded_sampling_request_pins_k(llama, make_eagle3_llama):
         engine.draft_policy = Cycle(pattern, 5)
         outs.append(engine.generate(prompts, params, use_tqdm=False)[0].token_ids)
     assert outs[0] == outs[1]
+
+
+def test_adaptive_steps_read_nothing_back(llama, make_eagle3_llama):
+    """With the real policy choosing k (here dropping from its prior towards 0 and probing back:
+    a random draft), neither a launch nor the choice of k reads a device value: the host never
+    waits for the device before the step's collect (each read is a synchronisation on a GPU)."""
+    from test_overlap import no_device_reads
+
+    path, baseline = llama
+    engine = LLMEngine(path, max_model_len=128, method="eagle3", draft_model=make_eagle3_llama(path, aux_layer_ids=[0, 1, 2]),
+                       num_speculative_tokens=3, speculative_adaptive=True)
+    runner, policy = engine.runner, engine.draft_policy
+    networks = [runner.model, runner.proposer.draft]
+    launch, choose, chosen = runner.launch, policy.choose, []
+
+    def checked_launch(batch):
+        with no_device_reads(networks):
+            launch(batch)
+
+    def checked_choose(step, num_seqs):
+        with no_device_reads([]):
+            chosen.append(choose(step, num_seqs))
+        return chosen[-1]
+
+    runner.launch, policy.choose = checked_launch, checked_choose
+    assert generate(engine) == baseline
+    assert len(set(chosen)) > 1, chosen

@@ -3,9 +3,11 @@
 A pure decode step (every sequence verifies the same number of drafts v, 0..k, or decodes one
 token) has the same shape for a given batch size and v, so it is captured once per batch-size
 bucket and query width v + 1 and replayed from static buffers. The draft loop is captured in two
-parts: its first pass over the verified rows (per bucket and width) and its chain of single-token
-steps (per bucket and number of drafts proposed), so a step may verify one k and propose another
-(spec_decode/adaptive.py) with (k + 1) + (k + 1) + (k - 1) graphs per bucket, not (k + 1)^2. A batch smaller than its bucket is padded with rows
+parts: its first pass over the verified rows (per bucket and width, width 1 included: a step after
+a k = 0 step verifies nothing and may propose again) and its chain of single-token steps (per bucket
+and number of drafts proposed), so a step may verify one k and propose another
+(spec_decode/adaptive.py) with (k + 1) + (k + 1) + (k - 1) graphs per bucket, not (k + 1)^2.
+A batch smaller than its bucket is padded with rows
 that write no KV (slot -1) and whose block tables point at a scratch block the block manager
 never hands out, which also absorbs the draft chain's writes for those rows. Every per-step
 value lives in device memory; the only host values frozen into a graph are upper bounds
@@ -99,7 +101,9 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool memory
             for q in reversed(widths):
                 self.target[bs, q] = _Replayable(partial(self._target_step, bs, q), self.device, pool)
-                if self.captures_draft and q > 1:
+                # every width, 1 included: a step that verifies nothing (after a k = 0 step) may
+                # propose again, and without its first pass the whole step would run eagerly
+                if self.captures_draft and counts[-1]:
                     self.first_pass[bs, q] = _Replayable(partial(self._first_pass, bs, q), self.device, pool)
             for k in reversed(counts):
                 if self.captures_draft and k > 1:
