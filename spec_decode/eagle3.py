@@ -31,6 +31,7 @@ from model_ops.attention.metadata import AttentionMetadata
 from model_ops.embed_head import LMHead, VocabEmbedding
 from model_ops.layernorm import RMSNorm
 from model_ops.linear import Linear
+from model_ops.sampling import greedy_tokens
 
 DEFAULT_NUM_AUX = 3
 
@@ -128,7 +129,7 @@ class Eagle3Draft(nn.Module, ABC):
 
     def draft_token_ids(self, post_norm: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens, as target vocabulary ids."""
-        ids = self.compute_logits(post_norm).argmax(dim=-1)
+        ids = greedy_tokens(self.compute_logits(post_norm))
         return ids if self.d2t is None else ids + self.d2t[ids]
 
     def attention_layers(self) -> list[CachedAttention]:

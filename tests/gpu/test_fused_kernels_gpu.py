@@ -123,3 +123,15 @@ def test_skinny_gemm(m, n_k):
     assert out.dtype == DT and out.shape == (m, n_k[0])
     assert ((out.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-4).all()  # atol: fp32 summation order
     assert torch.equal(out, skinny_gemm(x, w))
+
+
+def test_greedy_tokens_is_argmax_with_its_ties():
+    """The chunked argmax of a few long rows returns torch.argmax's index, first maximum on ties
+    (integer-valued logits: many ties, some across chunks)."""
+    from model_ops.sampling import greedy_tokens
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows, vocab in [(1, 128256), (4, 49152), (8, 163840 // 8), (3, 151936)]:
+        logits = torch.randint(-40, 40, (rows, vocab), generator=gen, device="cuda").float()
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1)), (rows, vocab)
+        assert torch.equal(greedy_tokens(logits.bfloat16()), logits.bfloat16().argmax(dim=-1)), (rows, vocab)
