@@ -53,6 +53,7 @@ import kernels_rocm.fused_moe as fused_moe_mod  # noqa: E402
 import kernels_rocm.mla_decode as mla_mod  # noqa: E402
 import kernels_rocm.mxfp4_linear as mxfp4_linear_mod  # noqa: E402
 import kernels_rocm.mxfp4_moe as mxfp4_moe_mod  # noqa: E402
+import kernels_rocm.mxfp4_moe_decode as mxfp4_moe_decode_mod  # noqa: E402
 import kernels_rocm.paged_attention as paged_mod  # noqa: E402
 import kernels_rocm.skinny_gemm as skinny_mod  # noqa: E402
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache  # noqa: E402
@@ -136,8 +137,8 @@ def _mxfp4_linear(m, n, k, quantize, split=None):
                                   quantize_activations=quantize, config=config)
 
 
-def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None):
-    config = None
+def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, decode=False):
+    config = mxfp4_moe_decode_mod.default_config(hidden, inter) if decode else None
     if split is not None:  # the default tiles with a forced GEMM 1 split
         config = mxfp4_moe_mod.default_config(tokens, top_k, experts, hidden, inter, torch.device("meta"))
         config = dataclasses.replace(config, gate_up=dataclasses.replace(config.gate_up, split_k=split))
@@ -188,6 +189,11 @@ CASES: dict[str, Callable[[str], None]] = {
     "MXFP4 MoE Kimi TP8 T32 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 32, True),
     "MXFP4 MoE Kimi TP8 T512 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 512, False),
     "MXFP4 MoE Kimi E384 I2048 T8 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 2048, 8, True),
+    "MXFP4 MoE decode Kimi TP8 T1 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, False, decode=True),
+    "MXFP4 MoE decode Kimi TP8 T1 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, True, decode=True),
+    "MXFP4 MoE decode Kimi TP8 T4 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 4, False, decode=True),
+    "MXFP4 MoE decode Kimi TP8 T4 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 4, True, decode=True),
+    "MXFP4 MoE decode Kimi E384 I2048 T1 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 2048, 1, True, decode=True),
     "MXFP4 linear M4 N512 K7168 w4a4 split 8": lambda _: _mxfp4_linear(4, 512, 7168, True, split=8),
     "MXFP4 linear M64 N7168 K256 w4a16": lambda _: _mxfp4_linear(64, 7168, 256, False),
     "kv write MHA fp8": lambda t: write_kv_cache(_t(64, 8, 128), _t(64, 8, 128), _t(99, 16, 8, 128, dtype=_fp8_dtype(t)),
@@ -217,6 +223,7 @@ CASES: dict[str, Callable[[str], None]] = {
 }
 QUICK_CASES = ("kv write MHA 8x128", "MHA 8/8 D128 decode split 16", "MLA 8h decode split 16",
                "MoE E64 H2048 I1024 T8", "add+RMSNorm H7168", "MXFP4 MoE Kimi TP8 T1 w4a4 split 8",
+               "MXFP4 MoE decode Kimi TP8 T1 w4a4",
                "MXFP4 linear M4 N512 K7168 w4a4 split 8", "kv write MLA fp8", "MLA 8h fp8 decode split 16",
                "rope + kv write MHA 32/8 D128", "rope + kv write MLA fp8", "SiLU-and-mul I14336",
                "skinny GEMM M8 N4096 K14336")
@@ -308,7 +315,7 @@ class _CompileInsteadOfLaunch:
     def active(self):
         original = JITFunction.run
         hip = TARGETS[self.target_name].is_hip
-        modules = (paged_mod, mla_mod, fused_moe_mod, mxfp4_linear_mod, mxfp4_moe_mod, skinny_mod)
+        modules = (paged_mod, mla_mod, fused_moe_mod, mxfp4_linear_mod, mxfp4_moe_mod, mxfp4_moe_decode_mod, skinny_mod)
         saved = [m.IS_HIP for m in modules]
         JITFunction.run = lambda fn, *a, **k: self.run(fn, *a, **k)
         for m in modules:

@@ -34,6 +34,7 @@ from kernels_rocm._mxfp4 import (
     load_activation,
     mxfp4_dot,
     qdq_mxfp4_blocks,
+    silu_mul,
 )
 from kernels_rocm._util import (
     IS_HIP,
@@ -45,6 +46,14 @@ from kernels_rocm._util import (
 )
 from kernels_rocm.fused_moe import choose_block_m, moe_align_block_size
 from kernels_rocm.mxfp4_linear import GemmConfig, choose_split_k, dot_dtype, ptx_decode, split_k_range
+from kernels_rocm.mxfp4_moe_decode import DecodeConfig, fused_moe_mxfp4_decode
+
+# Up to this many tokens fused_moe_mxfp4 takes the GEMV-style decode path (mxfp4_moe_decode).
+# Reasoned, to be confirmed by ci/bench_mxfp4.py --decode: it reads each (token, slot) pair's
+# expert on its own, so it wins while pairs rarely share an expert (8 tokens x top-8 over 384
+# experts: ~8% of pairs re-read an expert another token also uses) and the grouped GEMM's
+# fixed costs (routing alignment, 16-row tiles, split-K and top-k sums) dominate.
+DECODE_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
 @triton.jit
 def _gate_up_epilogue(gate, up, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """silu(gate) * up (fp32) rounded to the activation dtype, then MXFP4 QDQ'd if QUANTIZE."""
-    h = (gate * tl.sigmoid(gate) * up).to(OUT_DTYPE)
+    h = silu_mul(gate, up, OUT_DTYPE)
     if QUANTIZE:
         h = qdq_mxfp4_blocks(h.to(tl.float32), ROWS, COLS).to(OUT_DTYPE)
     return h
@@ -229,12 +238,14 @@ def fused_moe_mxfp4(
     topk_ids: torch.Tensor,
     quantize_activations: bool,
     out: torch.Tensor | None = None,
-    config: MoeConfig | None = None,
+    config: MoeConfig | DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Routed MXFP4 experts: x [T, H] (bf16/fp16/fp32), w13 uint8 [E, 2I, H/2] (gate rows then up
     rows) with w13_scale uint8 E8M0 [E, 2I, H/32], w2 uint8 [E, H, I/2] with w2_scale [E, H, I/32],
     topk_weights [T, K] fp32, topk_ids [T, K] int32/int64 in [0, E). Returns [T, H] in x's dtype
-    (or writes `out`). Graph-capturable; `config` overrides the launch choice (benchmarks)."""
+    (or writes `out`). Graph-capturable. Up to DECODE_MAX_TOKENS tokens the decode path runs
+    (`mxfp4_moe_decode`), else the grouped GEMMs; `config` overrides the choice (benchmarks): a
+    MoeConfig forces the grouped GEMMs with those tiles, a DecodeConfig the decode path."""
     _check_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -242,10 +253,14 @@ def fused_moe_mxfp4(
     top_k = topk_ids.shape[1]
     if out is None:
         out = torch.empty_like(x)
-    elif out.shape != x.shape or out.dtype != x.dtype:
-        raise ValueError(f"out must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must have x's shape {tuple(x.shape)} and dtype {x.dtype}, contiguous in its last dim, "
+                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if num_tokens == 0:
         return out
+    if isinstance(config, DecodeConfig) or (config is None and num_tokens <= DECODE_MAX_TOKENS):
+        return fused_moe_mxfp4_decode(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
+                                      quantize_activations, out, config)
 
     cfg = config or default_config(num_tokens, top_k, num_experts, hidden, inter, x.device)
     if cfg.gate_up.block_m != cfg.down.block_m:

@@ -1,0 +1,225 @@
+"""Decode path of the MXFP4 fused MoE (`mxfp4_moe.fused_moe_mxfp4` at a few tokens): GEMV-style
+kernels, no routing alignment, no tl.dot. Same contract as the grouped-GEMM path:
+
+    a = qdq_mxfp4(x) if quantize_activations else x
+    per (token t, slot k), e = topk_ids[t, k]:
+        h = silu(a[t] @ W13[e][:I]^T) * (a[t] @ W13[e][I:]^T)      fp32, rounded to x's dtype
+        h = qdq_mxfp4(h) if quantize_activations
+        out[t] += topk_weights[t, k] * (h @ W2[e]^T)
+
+At T = 1..8 tokens x top-8 each (token, slot) pair touches one expert and every weight byte is
+used once (twice at most where two tokens share an expert): the MoE is a weight read. The
+grouped GEMM pads each pair to a 16-row tl.dot tile and needs the routing alignment, a split-K
+sum and a top-k sum around its two GEMMs (five launches; docs/benchmarks.md section 6). Here:
+
+1. `_gate_up_kernel`, grid (pair, tile of intermediate rows): the program reads its expert from
+   topk_ids, walks H with every lane loading one 16-byte vector of packed bytes (32 E2M1 codes,
+   exactly one E8M0 block) of each of its gate and up rows per step, plus that block's scale
+   byte and the matching 32 activations; it dequantizes in registers (`_mxfp4`), sums the 32
+   products per row in fp32, scales the sum once per block and keeps per-lane partial sums; one
+   cross-lane reduction at the end, then silu(gate) * up written as h [T*K, I] in x's dtype.
+2. `_down_kernel`, grid (token, tile of output rows): the same inner step over I for each of
+   the token's K slots in turn, each slot's sum times its routing weight added to one fp32
+   accumulator: the top-k sum needs no extra launch and no atomics; out written once (the
+   grouped path rounds each slot's partial to x's dtype before its sum: here only the total is).
+
+Tiles are [KL, G, R, 16]: KL lanes along K (one 16-byte vector each), G row groups over the
+remaining lanes (the down GEMM's rows are short: I/2 = 128 bytes at Kimi TP8, 8 vectors), R rows
+in each lane's registers sharing its activation block. Only the byte axis is contiguous, so
+Triton gives it to one lane and spreads KL, then G, over lanes and warps (order [3, 0, 1, 2]),
+and the activation tile [KL, G, 4, 8] (32 values a lane, in 16-byte pieces) gets the same
+distribution: nothing crosses lanes in the loops. Activation QDQ (W4A4) is per lane on its own
+32-block: x in kernel 1, h on load in kernel 2 (kernel 1's row tiles are narrower than a block).
+Fixed summation order: deterministic. Decisions from shapes only: graph-capturable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_rocm._mxfp4 import (
+    MX_BLOCK,
+    e2m1_pair_to_bf16_ptx,
+    e2m1_pair_to_fp32,
+    e8m0_to_fp32,
+    qdq_mxfp4_last_axis,
+    silu_mul,
+)
+from kernels_rocm._util import INTERPRET, IS_HIP
+
+VECTOR_BYTES = 16  # packed bytes a lane loads per row per step: 32 codes, one E8M0 block
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the two decode kernels: `*_rows` rows in each lane's registers (a power of
+    two; gate_up_rows counts intermediate rows, each a gate and an up row), `*_warps` warps a
+    program. Lanes go along K first (up to the row's vectors), the rest over row groups."""
+
+    gate_up_rows: int = 2
+    gate_up_warps: int = 4
+    down_rows: int = 2
+    down_warps: int = 4
+
+
+def default_config(hidden: int, inter: int) -> DecodeConfig:
+    """Reasoned, not yet measured (ci/bench_mxfp4.py --decode-sweep times alternatives): two rows
+    a lane (four 16-byte gate/up loads in flight per lane and step) and 4 warps keep ~1,000
+    programs of kernel 1 at T = 1 on Kimi TP8 (8 pairs x 128 row tiles), about one full wave of
+    an H100's 132 SMs, each lane walking H = 7168 in two steps."""
+    return DecodeConfig()
+
+
+@triton.jit
+def _block_partial(w_ptrs, s_ptrs, a_even, a_odd, valid, PTX_DECODE: tl.constexpr):
+    """Sum over one 32-element block per (lane, row) of W (dequantized) times a, in fp32.
+
+    w_ptrs [KL, G, R, 16] packed bytes, s_ptrs [KL, G, R] E8M0 bytes, a_even / a_odd
+    [KL, G, 1, 16] the block's even / odd activations (fp32), valid [KL, 1, 1] the lane's block
+    exists. The 32 products are summed unscaled and the sum multiplied by the block's scale once
+    (a power of two: exact up to the sum's own rounding)."""
+    packed = tl.load(w_ptrs, mask=valid[:, :, :, None], other=0)
+    scale = e8m0_to_fp32(tl.load(s_ptrs, mask=valid, other=127))
+    if PTX_DECODE:
+        lo, hi = e2m1_pair_to_bf16_ptx(packed)
+        lo, hi = lo.to(tl.float32), hi.to(tl.float32)
+    else:
+        lo, hi = e2m1_pair_to_fp32(packed)
+    # two sums, each a chain of FMAs in the lane (one sum of lo * a + hi * b costs an extra add a weight)
+    return (tl.sum(lo * a_even, axis=3) + tl.sum(hi * a_odd, axis=3)) * scale
+
+
+@triton.jit
+def _activation_block(ptrs, valid, QUANTIZE: tl.constexpr, KL: tl.constexpr, G: tl.constexpr):
+    """Load each lane's 32-element activation block (ptrs [KL, G, 4, 8]), QDQ it if QUANTIZE (and
+    round back to its dtype, as `qdq_mxfp4` returns it), split into even / odd [KL, G, 1, 16] fp32."""
+    a = tl.load(ptrs, mask=valid[:, :, :, None], other=0.0)
+    a = tl.reshape(a, [KL, G, 32])
+    if QUANTIZE:
+        a = qdq_mxfp4_last_axis(a.to(tl.float32)).to(ptrs.dtype.element_ty)
+    a_even, a_odd = tl.split(tl.reshape(a.to(tl.float32), [KL, G, 16, 2]))
+    return a_even[:, :, None, :], a_odd[:, :, None, :]
+
+
+@triton.jit
+def _tile_offsets(N, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
+    """Rows of this program's tile [1, G, R] (clamped to N - 1: rows past N re-read the last row,
+    no mask on the loads), their validity, the lane's vector index [KL, 1, 1], and the byte /
+    activation offsets inside a block ([1, 1, 1, 16] and [1, G, 4, 8], the latter 0 along G)."""
+    rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
+    lane = tl.arange(0, KL)[:, None, None]
+    byte = tl.arange(0, 16)[None, None, None, :]
+    act = (tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :])[None, None, :, :] + tl.zeros([1, G, 1, 1], tl.int32)
+    return tl.minimum(rows, N - 1).to(tl.int64)[None, :, :], rows < N, lane, byte, act
+
+
+@triton.jit(do_not_specialize=["stride_sk"])
+def _gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr,
+    N, K, E, stride_sk,  # N = intermediate size I (gate rows [0, N), up rows [N, 2N)), K = hidden size H, E experts
+    stride_xm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
+    stride_se: tl.int64, stride_sn: tl.int64, stride_hm: tl.int64,
+    TOP_K: tl.constexpr, QUANTIZE: tl.constexpr, PTX_DECODE: tl.constexpr,
+    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = tl.where((expert >= 0) & (expert < E), expert, 0)  # in bounds; _down_kernel drops the pair
+    rows, row_valid, lane, byte, act = _tile_offsets(N, KL, G, R)
+    w_gate = w_ptr + expert * stride_we + rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
+    w_up = w_gate + N * stride_wn
+    s_gate = s_ptr + expert * stride_se + rows * stride_sn + lane * stride_sk
+    s_up = s_gate + N * stride_sn
+    a_ptrs = x_ptr + (pair // TOP_K) * stride_xm + lane[:, :, :, None] * 32 + act
+    gate = tl.zeros([KL, G, R], dtype=tl.float32)
+    up = tl.zeros([KL, G, R], dtype=tl.float32)
+    num_blocks = K // 32
+    for j0 in range(0, num_blocks, KL):
+        valid = lane + j0 < num_blocks
+        a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, QUANTIZE, KL, G)
+        gate += _block_partial(w_gate + j0 * 16, s_gate + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
+        up += _block_partial(w_up + j0 * 16, s_up + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
+    h = silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0), h_ptr.dtype.element_ty)  # [G, R]
+    out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
+    tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
+
+
+@triton.jit(do_not_specialize=["stride_sk"])
+def _down_kernel(
+    h_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, topk_weights_ptr,
+    N, K, E, stride_sk,  # N = hidden size H (output rows), K = intermediate size I, E experts
+    stride_hm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
+    stride_se: tl.int64, stride_sn: tl.int64, stride_om: tl.int64,
+    TOP_K: tl.constexpr, QUANTIZE: tl.constexpr, PTX_DECODE: tl.constexpr,
+    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    rows, row_valid, lane, byte, act = _tile_offsets(N, KL, G, R)
+    w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
+    s_tile = rows * stride_sn + lane * stride_sk
+    acc = tl.zeros([KL, G, R], dtype=tl.float32)
+    num_blocks = K // 32
+    for slot in tl.static_range(TOP_K):  # unrolled: the slots' loads can be in flight together
+        pair = token * TOP_K + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        known = (expert >= 0) & (expert < E)  # as in the grouped path, an id out of range adds nothing
+        expert = tl.where(known, expert, 0)
+        a_ptrs = h_ptr + pair * stride_hm + lane[:, :, :, None] * 32 + act
+        part = tl.zeros([KL, G, R], dtype=tl.float32)
+        for j0 in range(0, num_blocks, KL):
+            valid = (lane + j0 < num_blocks) & known
+            a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, QUANTIZE, KL, G)
+            part += _block_partial(w_ptr + expert * stride_we + w_tile + j0 * 16,
+                                   s_ptr + expert * stride_se + s_tile + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
+        acc += part * tl.load(topk_weights_ptr + pair)
+    out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
+    tl.store(out_ptr + token * stride_om + out_rows, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=row_valid)
+
+
+def _tile(k: int, rows: int, warps: int) -> tuple[int, int, int]:
+    """(KL, G, R): lanes along K up to the row's 16-byte vectors (a power of two), the rest of the
+    program's lanes over row groups."""
+    lanes = (64 if IS_HIP else 32) * warps  # one lane per (KL, G) entry (CDNA: wave64)
+    kl = min(lanes, triton.next_power_of_2(k // MX_BLOCK))
+    return kl, lanes // kl, rows
+
+
+def _check_config(cfg: DecodeConfig) -> None:
+    for name in ("gate_up_rows", "down_rows"):
+        value = getattr(cfg, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"DecodeConfig.{name} must be a power of two, got {value}")
+    for name in ("gate_up_warps", "down_warps"):
+        if getattr(cfg, name) not in (1, 2, 4, 8):
+            raise ValueError(f"DecodeConfig.{name} must be one of 1, 2, 4, 8, got {getattr(cfg, name)}")
+
+
+def fused_moe_mxfp4_decode(
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, quantize_activations: bool, out: torch.Tensor,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """The decode path on inputs `mxfp4_moe.fused_moe_mxfp4` has checked (same arguments); writes out."""
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    cfg = config or default_config(hidden, inter)
+    _check_config(cfg)
+    ptx = not IS_HIP and not INTERPRET  # exact bf16 values, widened to fp32 before the FMAs
+    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps)
+    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, g * r))](
+        x, w13, w13_scale, h, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
+        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
+        TOP_K=top_k, QUANTIZE=quantize_activations, PTX_DECODE=ptx, KL=kl, G=g, R=r, num_warps=cfg.gate_up_warps,
+    )
+    kl, g, r = _tile(inter, cfg.down_rows, cfg.down_warps)
+    _down_kernel[(num_tokens, triton.cdiv(hidden, g * r))](
+        h, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
+        h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
+        TOP_K=top_k, QUANTIZE=quantize_activations, PTX_DECODE=ptx, KL=kl, G=g, R=r, num_warps=cfg.down_warps,
+    )
+    return out
