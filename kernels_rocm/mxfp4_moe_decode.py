@@ -19,9 +19,11 @@ sum and a top-k sum around its two GEMMs (five launches; docs/benchmarks.md sect
    products per row in fp32, scales the sum once per block and keeps per-lane partial sums; one
    cross-lane reduction at the end, then silu(gate) * up written as h [T*K, I] in x's dtype.
 2. `_down_kernel`, grid (token, tile of output rows): the same inner step over I for each of
-   the token's K slots in turn, each slot's sum times its routing weight added to one fp32
-   accumulator: the top-k sum needs no extra launch and no atomics; out written once (the
-   grouped path rounds each slot's partial to x's dtype before its sum: here only the total is).
+   the token's K slots, each slot's sum times its routing weight added to one fp32 accumulator:
+   the top-k sum needs no extra launch and no atomics; out written once (the grouped path
+   rounds each slot's partial to x's dtype before its sum: here only the total is). The slot
+   loop is unrolled on NVIDIA so that all slots' loads are in flight at once; not on ROCm,
+   where the unrolled W4A4 kernel spills VGPRs on gfx942/gfx950 (ci/compile_kernels.py).
 
 Tiles are [KL, G, R, 16]: KL lanes along K (one 16-byte vector each), G row groups over the
 remaining lanes (the down GEMM's rows are short: I/2 = 128 bytes at Kimi TP8, 8 vectors), R rows
@@ -147,13 +149,33 @@ def _gate_up_kernel(
     tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
 
 
+@triton.jit
+def _slot_partial(h_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, pair, E, K, stride_sk,
+                  stride_hm, stride_we, stride_se, w_tile, s_tile, lane, act,
+                  QUANTIZE: tl.constexpr, PTX_DECODE: tl.constexpr, KL: tl.constexpr, G: tl.constexpr,
+                  R: tl.constexpr):
+    """One (token, slot) pair's routing weight times its per-lane partial sums [KL, G, R]."""
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    known = (expert >= 0) & (expert < E)  # as in the grouped path, an id out of range adds nothing
+    expert = tl.where(known, expert, 0)
+    a_ptrs = h_ptr + pair * stride_hm + lane[:, :, :, None] * 32 + act
+    part = tl.zeros([KL, G, R], dtype=tl.float32)
+    num_blocks = K // 32
+    for j0 in range(0, num_blocks, KL):
+        valid = (lane + j0 < num_blocks) & known
+        a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, QUANTIZE, KL, G)
+        part += _block_partial(w_ptr + expert * stride_we + w_tile + j0 * 16,
+                               s_ptr + expert * stride_se + s_tile + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
+    return part * tl.load(topk_weights_ptr + pair)
+
+
 @triton.jit(do_not_specialize=["stride_sk"])
 def _down_kernel(
     h_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, topk_weights_ptr,
     N, K, E, stride_sk,  # N = hidden size H (output rows), K = intermediate size I, E experts
     stride_hm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
     stride_se: tl.int64, stride_sn: tl.int64, stride_om: tl.int64,
-    TOP_K: tl.constexpr, QUANTIZE: tl.constexpr, PTX_DECODE: tl.constexpr,
+    TOP_K: tl.constexpr, QUANTIZE: tl.constexpr, PTX_DECODE: tl.constexpr, UNROLL_SLOTS: tl.constexpr,
     KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -161,20 +183,16 @@ def _down_kernel(
     w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
     s_tile = rows * stride_sn + lane * stride_sk
     acc = tl.zeros([KL, G, R], dtype=tl.float32)
-    num_blocks = K // 32
-    for slot in tl.static_range(TOP_K):  # unrolled: the slots' loads can be in flight together
-        pair = token * TOP_K + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        known = (expert >= 0) & (expert < E)  # as in the grouped path, an id out of range adds nothing
-        expert = tl.where(known, expert, 0)
-        a_ptrs = h_ptr + pair * stride_hm + lane[:, :, :, None] * 32 + act
-        part = tl.zeros([KL, G, R], dtype=tl.float32)
-        for j0 in range(0, num_blocks, KL):
-            valid = (lane + j0 < num_blocks) & known
-            a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, QUANTIZE, KL, G)
-            part += _block_partial(w_ptr + expert * stride_we + w_tile + j0 * 16,
-                                   s_ptr + expert * stride_se + s_tile + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
-        acc += part * tl.load(topk_weights_ptr + pair)
+    if UNROLL_SLOTS:  # the K slots' loads in flight together (a short I is one step a slot)
+        for slot in tl.static_range(TOP_K):
+            acc += _slot_partial(h_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token * TOP_K + slot, E, K, stride_sk,
+                                 stride_hm, stride_we, stride_se, w_tile, s_tile, lane, act,
+                                 QUANTIZE, PTX_DECODE, KL, G, R)
+    else:
+        for slot in range(TOP_K):
+            acc += _slot_partial(h_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token * TOP_K + slot, E, K, stride_sk,
+                                 stride_hm, stride_we, stride_se, w_tile, s_tile, lane, act,
+                                 QUANTIZE, PTX_DECODE, KL, G, R)
     out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
     tl.store(out_ptr + token * stride_om + out_rows, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=row_valid)
 
@@ -220,6 +238,7 @@ def fused_moe_mxfp4_decode(
     _down_kernel[(num_tokens, triton.cdiv(hidden, g * r))](
         h, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
         h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
-        TOP_K=top_k, QUANTIZE=quantize_activations, PTX_DECODE=ptx, KL=kl, G=g, R=r, num_warps=cfg.down_warps,
+        TOP_K=top_k, QUANTIZE=quantize_activations, PTX_DECODE=ptx, UNROLL_SLOTS=not IS_HIP,
+        KL=kl, G=g, R=r, num_warps=cfg.down_warps,
     )
     return out

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from _kernel_cases import nan_like
 from kernels_rocm.mxfp4_linear import GemmConfig, mxfp4_linear
 from kernels_rocm.mxfp4_moe import DECODE_MAX_TOKENS, MoeConfig, default_config, fused_moe_mxfp4
+from kernels_rocm import mxfp4_moe_decode
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig
 from model_ops.quant.mxfp4 import dequantize_mxfp4, qdq_mxfp4, quantize_mxfp4
 
@@ -257,6 +258,16 @@ def test_moe_decode_several_k_steps_and_row_tiles(quantize):
     ids[1, 1] = EXPERTS
     config = DecodeConfig(gate_up_rows=8, gate_up_warps=1, down_rows=8, down_warps=1)  # 64-row tiles
     out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, out=nan_like(x), config=config)
+    _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+def test_moe_decode_rocm_tiles(quantize, monkeypatch):
+    """The ROCm launch (wave64 lanes, the slot loop not unrolled), run by the interpreter."""
+    monkeypatch.setattr(mxfp4_moe_decode, "IS_HIP", True)
+    g = torch.Generator().manual_seed(33)
+    x, w13, s13, w2, s2, weights, ids = _moe_case(2, 3, g, hot=5)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, out=nan_like(x))
     _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
 
 
