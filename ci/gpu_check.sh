@@ -63,7 +63,8 @@ for part in "${parts[@]}"; do
   case $part in
     tests) run gpu_tests python3 -m pytest ${GPU_TESTS:-tests/gpu} -q -rsP -p no:cacheprovider --timeout 900 ;;
     kernels) run bench_kernels python3 ci/bench_kernels.py --out "$OUT" ;;
-    mxfp4) run bench_mxfp4 python3 ci/bench_mxfp4.py --out "$OUT" --profile ;;
+    mxfp4) run bench_mxfp4 python3 ci/bench_mxfp4.py --out "$OUT" --profile
+           run bench_mxfp4_decode python3 ci/bench_mxfp4_decode.py --out "$OUT" ;;
     models) run bench_models python3 ci/bench_models.py ;;
     spec) run bench_spec python3 ci/bench_spec.py ${BENCH_SPEC_ARGS:-} ;;
     tp) run bench_tp python3 ci/bench_tp.py ${BENCH_TP_ARGS:-} ;;

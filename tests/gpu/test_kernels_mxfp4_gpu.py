@@ -9,7 +9,8 @@ dequantized by model_ops.quant.fp8), relative error ||out - ref|| / ||ref|| < 1e
 Sizes: Kimi-K2.5 TP8 rank (E384, top-8, H7168, I256) and the full expert width (I2048, fewer
 experts to bound memory), the TP8 shared-expert and dense shapes, Kimi MLA 8 heads 512+64 with
 fp8 latent rows in a pool past 4 GiB (block ids >= 65,536) and the CUDA fp8 upcast for every
-byte, the EAGLE3 MHA draft; graph capture and replay with new routing / new scale values.
+byte, the EAGLE3 MHA draft; graph capture and replay with new routing / new scale values; the
+MoE's decode path (T <= DECODE_MAX_TOKENS) against the grouped path forced at the same inputs.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from kernels_rocm._mxfp4 import e2m1_pair_to_bf16_ptx, e8m0_to_bf16
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache
 from kernels_rocm.mla_decode import e4m3fn_to_f16_ptx, mla_paged_attention
 from kernels_rocm.mxfp4_linear import mxfp4_linear
-from kernels_rocm.mxfp4_moe import fused_moe_mxfp4
+from kernels_rocm.mxfp4_moe import DECODE_MAX_TOKENS, fused_moe_mxfp4
+from kernels_rocm.mxfp4_moe import default_config as moe_default_config
+from kernels_rocm.mxfp4_moe_decode import DecodeConfig
 from kernels_rocm.paged_attention import paged_attention
 from model_ops.attention import torch_ref
 from model_ops.attention.metadata import AttentionMetadata
@@ -108,6 +111,35 @@ def test_e8m0_bytes_0_and_254_compiled():
     assert_rel_close(out, ref, tol=1e-5)
 
 
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 8])
+def test_moe_decode_path_matches_grouped_path(num_tokens, quantize):
+    """Both paths forced at the same Kimi TP8 inputs (bf16): the same values up to rounding."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs("kimi_tp8", num_tokens, seed=8)
+    grouped = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize,
+                              config=moe_default_config(num_tokens, 8, 384, 7168, 256, x.device))
+    decode = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, config=DecodeConfig())
+    assert_rel_close(decode, grouped)
+
+
+def test_moe_decode_e8m0_bytes_0_and_254_compiled():
+    """The decode path's compiled weight decode (PTX, widened to fp32) on E8M0 bytes 0 and 254,
+    fp32 activations: exact up to fp32 summation order."""
+    g = torch.Generator(device=DEVICE).manual_seed(9)
+    w13, s13 = random_mxfp4(4, 2 * 64, 128, g=g)
+    w2, s2 = random_mxfp4(4, 128, 64, g=g)
+    s13[..., 0], s13[..., -1] = 0, 254
+    w13[..., -16:] &= 0xBB  # magnitudes <= 1.5 under 2^127
+    x = torch.randn(2, 128, generator=g, device=DEVICE)
+    x[:, :32] *= 2.0**120
+    x[:, -32:] *= 2.0**-126
+    ids = torch.tensor([[1, 3], [3, 2]], dtype=torch.int32, device=DEVICE)
+    weights = torch.tensor([[0.7, 0.3], [0.4, 0.6]], device=DEVICE)
+    ref = moe_reference(x, w13, s13, w2, s2, weights, ids, False)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=DecodeConfig())
+    assert_rel_close(out, ref, tol=1e-5)
+
+
 @triton.jit
 def _decode_probe_kernel(packed_ptr, scale_ptr, out_ptr):
     """One 32-element block per program: the CUDA decode + bf16 scaling the GEMMs use."""
@@ -184,11 +216,13 @@ def _capture(fn):
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
-def test_fused_moe_mxfp4_graph_replay_with_new_routing(quantize):
-    x, w13, s13, w2, s2, weights, ids = moe_inputs("kimi_tp8", 16, seed=5)
+@pytest.mark.parametrize("num_tokens", [4, 16], ids=["decode_path", "grouped_path"])
+def test_fused_moe_mxfp4_graph_replay_with_new_routing(num_tokens, quantize):
+    assert (num_tokens <= DECODE_MAX_TOKENS) == (num_tokens == 4)
+    x, w13, s13, w2, s2, weights, ids = moe_inputs("kimi_tp8", num_tokens, seed=5)
     graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize))
     for seed in (6, 7):
-        x2, _, _, _, _, weights2, ids2 = moe_inputs("kimi_tp8", 16, seed=seed)
+        x2, _, _, _, _, weights2, ids2 = moe_inputs("kimi_tp8", num_tokens, seed=seed)
         x.copy_(x2)
         weights.copy_(weights2)
         ids.copy_(ids2)
