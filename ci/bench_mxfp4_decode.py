@@ -39,7 +39,6 @@ from bench_mxfp4 import (  # noqa: E402
 from kernels_rocm.fused_moe import fused_moe  # noqa: E402
 from kernels_rocm.mxfp4_moe import DECODE_MAX_TOKENS, default_config  # noqa: E402
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig  # noqa: E402
-from kernels_rocm.mxfp4_moe_decode import default_config as decode_default  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 16)
 CHECK_TOKENS = (1, 8)
@@ -61,7 +60,7 @@ def bench(copy_gbps: float, sweep: bool) -> tuple[list[dict], list[dict], list[s
             num_bytes = hit * weights.expert_bytes() + 2 * x.numel() * x.element_size()
             grouped = default_config(tokens, weights.top_k, weights.num_experts, weights.hidden, weights.inter,
                                      torch.device(DEVICE))
-            decode = decode_default(weights.hidden, weights.inter)
+            decode = DecodeConfig()
             row = {"shape": name, "tokens": tokens, "experts_hit": hit, "mb": num_bytes / 1e6}
             for quantize, mode in ((False, "w4a16"), (True, "w4a4")):
                 for label, cfg in (("decode", decode), ("grouped", grouped)):

@@ -138,7 +138,7 @@ def _mxfp4_linear(m, n, k, quantize, split=None):
 
 
 def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, decode=False):
-    config = mxfp4_moe_decode_mod.default_config(hidden, inter) if decode else None
+    config = mxfp4_moe_decode_mod.DecodeConfig() if decode else None
     if split is not None:  # the default tiles with a forced GEMM 1 split
         config = mxfp4_moe_mod.default_config(tokens, top_k, experts, hidden, inter, torch.device("meta"))
         config = dataclasses.replace(config, gate_up=dataclasses.replace(config.gate_up, split_k=split))

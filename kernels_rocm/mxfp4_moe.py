@@ -6,7 +6,9 @@
         h = qdq_mxfp4(h) if quantize_activations
         out[t] += topk_weights[t, k] * (h @ W2[e]^T)
 
-Structure of `fused_moe` (same routing alignment, `moe_align_block_size`): pairs sorted by
+Up to DECODE_MAX_TOKENS tokens `fused_moe_mxfp4` takes the GEMV-style decode path instead
+(`mxfp4_moe_decode`: no alignment, no tl.dot, two launches). The grouped path follows the
+structure of `fused_moe` (same routing alignment, `moe_align_block_size`): pairs sorted by
 expert and padded to BLOCK_M, a grouped GEMM over (M block, N tile) programs that exit past the
 used length, then the sum over a token's K rows. The MXFP4 parts (see `_mxfp4`):
 - weights: packed bytes and E8M0 scales are read and dequantized in registers; with decode's
@@ -49,7 +51,7 @@ from kernels_rocm.mxfp4_linear import GemmConfig, choose_split_k, dot_dtype, ptx
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig, fused_moe_mxfp4_decode
 
 # Up to this many tokens fused_moe_mxfp4 takes the GEMV-style decode path (mxfp4_moe_decode).
-# Reasoned, to be confirmed by ci/bench_mxfp4.py --decode: it reads each (token, slot) pair's
+# Reasoned, to be confirmed by ci/bench_mxfp4_decode.py: it reads each (token, slot) pair's
 # expert on its own, so it wins while pairs rarely share an expert (8 tokens x top-8 over 384
 # experts: ~8% of pairs re-read an expert another token also uses) and the grouped GEMM's
 # fixed costs (routing alignment, 16-row tiles, split-K and top-k sums) dominate.

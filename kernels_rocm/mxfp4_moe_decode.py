@@ -52,27 +52,22 @@ from kernels_rocm._mxfp4 import (
 )
 from kernels_rocm._util import INTERPRET, IS_HIP
 
-VECTOR_BYTES = 16  # packed bytes a lane loads per row per step: 32 codes, one E8M0 block
-
-
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of the two decode kernels: `*_rows` rows in each lane's registers (a power of
     two; gate_up_rows counts intermediate rows, each a gate and an up row), `*_warps` warps a
-    program. Lanes go along K first (up to the row's vectors), the rest over row groups."""
+    program. Lanes go along K first (up to the row's vectors), the rest over row groups.
+
+    Defaults reasoned, not yet measured (ci/bench_mxfp4_decode.py --sweep times alternatives):
+    two rows a lane (four 16-byte gate/up loads a lane and step) and 4 warps give kernel 1 about
+    1,000 programs at T = 1 on Kimi TP8 (8 pairs x 128 row tiles), about one wave of an H100's
+    132 SMs, each lane walking H = 7168 in two steps; kernel 2 gets 224 programs of 32 rows at
+    T = 1. No spills on sm_90 / gfx942 / gfx950 (4 rows a lane spill on sm_90 in kernel 1)."""
 
     gate_up_rows: int = 2
     gate_up_warps: int = 4
     down_rows: int = 2
     down_warps: int = 4
-
-
-def default_config(hidden: int, inter: int) -> DecodeConfig:
-    """Reasoned, not yet measured (ci/bench_mxfp4.py --decode-sweep times alternatives): two rows
-    a lane (four 16-byte gate/up loads in flight per lane and step) and 4 warps keep ~1,000
-    programs of kernel 1 at T = 1 on Kimi TP8 (8 pairs x 128 row tiles), about one full wave of
-    an H100's 132 SMs, each lane walking H = 7168 in two steps."""
-    return DecodeConfig()
 
 
 @triton.jit
@@ -118,6 +113,9 @@ def _tile_offsets(N, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
     return tl.minimum(rows, N - 1).to(tl.int64)[None, :, :], rows < N, lane, byte, act
 
 
+# stride_sk is the scales' K stride (1), passed unspecialized: were it known to be 1, Triton would
+# vectorize the scale loads across neighbouring lanes, giving them a layout unlike the weights'
+# and a shared-memory layout conversion in every loop step (seen in the sm_90 SASS).
 @triton.jit(do_not_specialize=["stride_sk"])
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr,
@@ -224,7 +222,7 @@ def fused_moe_mxfp4_decode(
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
-    cfg = config or default_config(hidden, inter)
+    cfg = config or DecodeConfig()
     _check_config(cfg)
     ptx = not IS_HIP and not INTERPRET  # exact bf16 values, widened to fp32 before the FMAs
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
