@@ -59,10 +59,10 @@ class DecodeConfig:
     program. Lanes go along K first (up to the row's vectors), the rest over row groups.
 
     Defaults reasoned, not yet measured (ci/bench_mxfp4_decode.py --sweep times alternatives):
-    two rows a lane (four 16-byte gate/up loads a lane and step) and 4 warps give kernel 1 about
-    1,000 programs at T = 1 on Kimi TP8 (8 pairs x 128 row tiles), about one wave of an H100's
-    132 SMs, each lane walking H = 7168 in two steps; kernel 2 gets 224 programs of 32 rows at
-    T = 1. No spills on sm_90 / gfx942 / gfx950 (4 rows a lane spill on sm_90 in kernel 1)."""
+    two rows a lane (four 16-byte gate/up loads a lane and step) and 4 warps give kernel 1 1,024
+    programs at T = 1 on Kimi TP8 (8 pairs x 128 row tiles; 5 fit an SM at 96 registers, so
+    about 1.5 waves on an H100's 132 SMs), each lane walking H = 7168 in two steps; kernel 2
+    gets 224 programs of 32 rows at T = 1, each with all 8 slots' loads in flight. No spills on sm_90 / gfx942 / gfx950 (4 rows a lane spill on sm_90 in kernel 1)."""
 
     gate_up_rows: int = 2
     gate_up_warps: int = 4
