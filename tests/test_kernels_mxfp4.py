@@ -235,12 +235,14 @@ def test_moe_rejects_bad_shapes():
 @pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
 @pytest.mark.parametrize("num_tokens", [1, 2, 3], ids=lambda t: f"T{t}")
 def test_moe_decode_matches_reference_and_grouped(num_tokens, quantize):
-    """The decode path (taken by default at these T) against the reference and the grouped GEMMs.
-    Every token's first pick is expert 7 (odd, shared by all tokens); the others odd or even."""
+    """The decode path (taken by default at these T with W4A16, forced with W4A4) against the
+    reference and the grouped GEMMs. Every token's first pick is expert 7 (odd, shared by all
+    tokens); the others odd or even."""
     assert num_tokens <= DECODE_MAX_TOKENS
     g = torch.Generator().manual_seed(20 + num_tokens)
     x, w13, s13, w2, s2, weights, ids = _moe_case(num_tokens, 3, g, skip=(0,), hot=7)
-    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids.to(torch.int32), quantize, out=nan_like(x))
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids.to(torch.int32), quantize, out=nan_like(x),
+                          config=DecodeConfig() if quantize else None)
     _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
     grouped = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize,
                               config=default_config(num_tokens, 3, EXPERTS, HIDDEN, INTER, x.device))
