@@ -167,17 +167,23 @@ class MoeWeights:
         return fused_moe_mxfp4(x, self.w13, self.s13, self.w2, self.s2, weights, ids, quantize, out=out, config=config)
 
 
+
+def moe_call_inputs(weights: "MoeWeights", tokens: int, gen: torch.Generator):
+    """x, routing weights and ids, an output buffer, the experts hit and the bytes a call reads
+    (packed weights and scales of the experts hit, x read and out written)."""
+    x = torch.randn(tokens, weights.hidden, generator=gen, device=DEVICE).bfloat16()
+    topk_weights, ids = routing(tokens, weights.num_experts, weights.top_k, gen)
+    hit = int(torch.unique(ids).numel())
+    return x, topk_weights, ids, torch.empty_like(x), hit, hit * weights.expert_bytes() + 2 * x.numel() * x.element_size()
+
+
 def bench_moe(copy_gbps: float, shapes: dict, token_counts, check_tokens) -> list[MoeRow]:
     rows = []
     for name, shape in shapes.items():
         weights_ = MoeWeights(shape, with_bf16=True)
         gen = torch.Generator(device=DEVICE).manual_seed(1)
         for tokens in token_counts:
-            x = torch.randn(tokens, weights_.hidden, generator=gen, device=DEVICE).bfloat16()
-            topk_weights, ids = routing(tokens, weights_.num_experts, weights_.top_k, gen)
-            out = torch.empty_like(x)
-            hit = int(torch.unique(ids).numel())
-            num_bytes = hit * weights_.expert_bytes() + 2 * x.numel() * x.element_size()
+            x, topk_weights, ids, out, hit, num_bytes = moe_call_inputs(weights_, tokens, gen)
             times, errors = {}, {}
             for quantize in (False, True):
                 times[quantize] = time_graph(lambda: weights_.run(x, topk_weights, ids, quantize, out=out))

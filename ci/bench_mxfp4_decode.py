@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench_mxfp4 import (  # noqa: E402
-    DEVICE, MOE_SHAPES, REL_TOL, MoeWeights, measure_copy_bandwidth, moe_reference, rel_error, routing, time_graph,
+    DEVICE, MOE_SHAPES, REL_TOL, MoeWeights, measure_copy_bandwidth, moe_call_inputs, moe_reference, rel_error, time_graph,
 )
 from kernels_rocm.fused_moe import fused_moe  # noqa: E402
 from kernels_rocm.mxfp4_moe import DECODE_MAX_TOKENS, default_config  # noqa: E402
@@ -53,11 +53,7 @@ def bench(copy_gbps: float, sweep: bool) -> tuple[list[dict], list[dict], list[s
         weights = MoeWeights(shape, with_bf16=True)
         gen = torch.Generator(device=DEVICE).manual_seed(1)
         for tokens in TOKENS:
-            x = torch.randn(tokens, weights.hidden, generator=gen, device=DEVICE).bfloat16()
-            topk_weights, ids = routing(tokens, weights.num_experts, weights.top_k, gen)
-            out = torch.empty_like(x)
-            hit = int(torch.unique(ids).numel())
-            num_bytes = hit * weights.expert_bytes() + 2 * x.numel() * x.element_size()
+            x, topk_weights, ids, out, hit, num_bytes = moe_call_inputs(weights, tokens, gen)
             grouped = default_config(tokens, weights.top_k, weights.num_experts, weights.hidden, weights.inter,
                                      torch.device(DEVICE))
             decode = DecodeConfig()

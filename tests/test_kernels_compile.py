@@ -28,6 +28,16 @@ def _compile(*args: str) -> str:
     return result.stdout
 
 
+def _loop_sass(case: str, kernel: str) -> tuple[str, int, dict[str, int]]:
+    """compile_kernels' sm_90 loop report for `kernel` in `case`: (its line, instruction count, opcode counts)."""
+    out = _compile("--targets", "sm90", "--cases", case, "--sass")
+    if "skipping sm90" in out:
+        pytest.skip("no ptxas")
+    line = next(x for x in out.splitlines() if x.startswith("loop SASS") and kernel in x)
+    opcodes = {op: int(n) for op, n in re.findall(r"([A-Z0-9_.]+) (\d+)", line.split("|")[4])}
+    return line, int(line.split("|")[3]), opcodes
+
+
 def test_kernels_compile_for_gpu_targets():
     _compile("--quick", "--targets", "sm90,gfx942")
 
@@ -36,12 +46,7 @@ def test_fp8_mla_decode_loop_on_sm90():
     """The fp8 latent tile is upcast once and read by both dots with ldmatrix (.trans for the
     values) from an fp16 copy, never byte by byte: with Triton's own upcast the sm_90 loop had
     64 LDS.U8 and 786 instructions a warp per 32 tokens (8 warps; docs/benchmarks.md section 6)."""
-    out = _compile("--targets", "sm90", "--cases", "MLA 8h fp8 decode split 16", "--sass")
-    if "skipping sm90" in out:
-        pytest.skip("no ptxas")
-    line = next(x for x in out.splitlines() if x.startswith("loop SASS") and "_mla_attention_kernel" in x)
-    total = int(line.split("|")[3])
-    opcodes = {op: int(n) for op, n in re.findall(r"([A-Z0-9_.]+) (\d+)", line.split("|")[4])}
+    line, total, opcodes = _loop_sass("MLA 8h fp8 decode split 16", "_mla_attention_kernel")
     assert "LDS.U8" not in opcodes and opcodes.get("LDSM.16.MT88.4", 0) > 0, line
     assert total < 700, line
 
@@ -50,12 +55,7 @@ def test_mxfp4_moe_decode_loop_on_sm90():
     """The decode path's gate/up loop reads packed weights with 16-byte loads and keeps every
     value in its lane (no shared memory, no barrier): 845 instructions a lane per 128 weights
     with the PTX decode when written; 901 with a shared-memory layout conversion of the scales."""
-    out = _compile("--targets", "sm90", "--cases", "MXFP4 MoE decode Kimi TP8 T1 w4a16", "--sass")
-    if "skipping sm90" in out:
-        pytest.skip("no ptxas")
-    line = next(x for x in out.splitlines() if x.startswith("loop SASS") and "_gate_up_kernel" in x)
-    total = int(line.split("|")[3])
-    opcodes = {op: int(n) for op, n in re.findall(r"([A-Z0-9_.]+) (\d+)", line.split("|")[4])}
+    line, total, opcodes = _loop_sass("MXFP4 MoE decode Kimi TP8 T1 w4a16", "_gate_up_kernel")
     assert opcodes.get("LDG.E.128", 0) >= 4, line  # 2 gate + 2 up rows (+ the activations)
     assert not any(op.startswith(("LDS", "STS", "BAR")) for op in opcodes), line
     assert total < 880, line
