@@ -81,7 +81,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     projection and the LM head on an H100 (docs/benchmarks.md section 8); everything else, and
     every CPU product (the exact reference), is F.linear."""
     if (bias is None and x.dim() == 2 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and (kernels := _gemv()) is not None
+            and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and (kernels := _gemv()) is not None
             and x.shape[0] <= kernels.FASTER_THAN_CUBLAS_UP_TO_M):
         return kernels.skinny_gemm(x, weight)
     return F.linear(x, weight, bias)
