@@ -170,7 +170,7 @@ class DecodeGraphs:
         self._put(self.slot_mapping, host.slot_mapping, fill=-1, upto=bs * q)
         self._put(self.context_lens, host.context_lens, fill=q, upto=bs)
         width = host.block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(torch.from_numpy(host.block_tables).to(self.device, non_blocking=True))
+        self.block_tables[:b, :width].copy_(torch.from_numpy(host.block_tables), non_blocking=True)
         self.block_tables[:b, width:] = self.scratch_block
         self.block_tables[b:bs] = self.scratch_block
         # off the GPU nothing is frozen, so the reference backend may gather only the true context

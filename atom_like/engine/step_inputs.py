@@ -12,7 +12,7 @@ import torch
 from atom_like.engine.scheduler import ScheduledBatch
 from atom_like.engine.sequence import Sequence
 from atom_like.sampling_params import SamplingParams
-from model_ops.attention.metadata import AttentionMetadata
+from model_ops.attention.metadata import AttentionMetadata, slots_for_positions
 
 
 @dataclass
@@ -157,11 +157,11 @@ def advance_followers(index: torch.Tensor, num_accepted: torch.Tensor, token_ids
                       context_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
                       block_size: int) -> None:
     """Give the sequences that follow the previous step what it sampled, in place (torch ops; on a
-    GPU the runner takes kernels_rocm.step_advance.advance, one kernel). index [3, F] int64: for each following sequence, its row in the previous step's
-    outputs, its batch row in this step and its first input column. num_accepted [S], token_ids
-    [S, K + 1] (accepted drafts then the emitted token), drafts [S, k] or None: the previous
-    step's outputs. The rest are this step's inputs (input_ids, positions, slot_mapping [T];
-    context_lens [B] int32; block_tables [B, W] int32)."""
+    GPU the runner takes kernels_rocm.step_advance.advance, one kernel). index [3, F] int64: for
+    each following sequence, its row in the previous step's outputs, its batch row in this step
+    and its first input column. num_accepted [S], token_ids [S, K + 1] (accepted drafts then the
+    emitted token), drafts [S, k] or None: the previous step's outputs. The rest are this step's
+    inputs (input_ids, positions, slot_mapping [T]; context_lens [B] int32; block_tables [B, W])."""
     src, seqs, starts = index
     accepted = num_accepted[src]
     first = token_ids[src].gather(1, accepted[:, None])
@@ -172,5 +172,5 @@ def advance_followers(index: torch.Tensor, num_accepted: torch.Tensor, token_ids
     moved = positions[cols] + accepted[:, None]
     positions[cols] = moved
     context_lens[seqs] += accepted.to(context_lens.dtype)
-    blocks = block_tables[seqs][:, None, :].expand(-1, q, -1).gather(2, (moved // block_size)[..., None]).squeeze(2)
-    slot_mapping[cols] = blocks.long() * block_size + moved % block_size
+    tables = block_tables[seqs].repeat_interleave(q, dim=0)
+    slot_mapping[cols] = slots_for_positions(tables, moved.reshape(-1), block_size).view(-1, q)
