@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 
 from model_ops.logits_processors import LogitsProcessors
-from model_ops.sampling import DraftLayout, SamplingTensors, Verified
+from model_ops.sampling import DraftLayout, SamplingTensors, Verified, greedy_tokens
 
 
 class ForcedAcceptance:
     """A Verifier (model_ops.sampling) that accepts each sequence's first min(m, its drafts)
-    drafts whatever they are, then emits the argmax of the row after them. Device work only, like
-    `verify`, so it runs inside an overlapped step."""
+    drafts whatever they are, then emits the argmax of the row after them (taken as `verify`
+    takes it). Device work only, like `verify`, so it runs inside an overlapped step."""
 
     def __init__(self, m: int):
         self.m = m
@@ -28,4 +28,4 @@ class ForcedAcceptance:
                  shared: torch.Generator, processors: LogitsProcessors | None = None) -> Verified:
         layout = DraftLayout.of(logits, num_drafts, draft_ids)
         first_m = torch.arange(layout.valid.shape[1], device=logits.device) < self.m
-        return layout.verified(logits.argmax(dim=-1), layout.valid & first_m[None, :])
+        return layout.verified(greedy_tokens(logits), layout.valid & first_m[None, :])
