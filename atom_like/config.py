@@ -42,7 +42,7 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata={"help": "auto | bfloat16 | float16 | float32 (auto: float32 on CPU, the checkpoint's half type on GPU)."})
     device: str = field(default="auto", metadata={"help": "auto | cuda | cpu (ROCm GPUs are 'cuda' in torch)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor-parallel ranks: one process and one GPU each (gloo processes on CPU); see docs/parallel.md.", "short": "-tp"})
-    disable_custom_all_reduce: bool = field(default=False, metadata={"help": "With -tp on NVIDIA GPUs of one host, all-reduces up to 1 MiB (decode's activations) run as one kernel over peer memory (torch symmetric memory) instead of NCCL, which costs ~19 us a call at decode sizes; this flag keeps NCCL for every collective."})
+    disable_custom_all_reduce: bool = field(default=False, metadata={"help": "With -tp on NVIDIA GPUs of one host, all-reduces up to 1 MiB (decode's activations) run as one kernel over peer memory (torch symmetric memory) instead of NCCL (6.7 against 11.9 us for 8 KiB on two H200s); this flag keeps NCCL for every collective."})
     block_size: int = field(default=16, metadata={"help": "Tokens per KV-cache block."})
     max_num_seqs: int = field(default=256, metadata={"help": "Most sequences in one step."})
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "Most query tokens in one step (longer prompts are prefilled in chunks)."})

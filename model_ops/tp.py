@@ -107,9 +107,9 @@ class OneShotAllReduce:
     and adds them; a second barrier frees the buffers for the next call. No host involvement, so
     CUDA graphs capture it like any kernel.
 
-    Why: a decode step all-reduces [batch, hidden] twice a layer, a few KB at batch 1, where
-    NCCL's ring protocol costs ~19 us a call on two H200s (docs/benchmarks.md section 9): a third
-    of the -tp 2 step of an 8B model. The one-shot exchange is the custom all-reduce of vLLM and
+    Why: a decode step all-reduces [batch, hidden] twice a layer, a few KB at batch 1, where NCCL
+    takes 11.9 us a call on two H200s against 6.7 here (8 KiB, docs/benchmarks.md section 9); the
+    8B model's 66 collectives a step took 1.1 ms with NCCL, a third of its -tp 2 step. The one-shot exchange is the custom all-reduce of vLLM and
     SGLang (aiter's on ROCm). Two ranks add in the same order as NCCL (a + b, then rounded), so
     -tp 2 results are the same bits either way; larger tensors keep NCCL, which moves fewer bytes.
 
