@@ -14,6 +14,8 @@ Parts (all by default; `--parts` picks some):
   memcpys per step, CUDA/HIP synchronize calls per step (cudaStreamSynchronize & co, host side),
   and the top kernels by time; then a second pass tracing the device alone, whose idle % is free
   of the host slow-down that tracing host ops causes.
+* nopdl: a second engine with programmatic dependent launch off (kernels_rocm._pdl.set_enabled),
+  batch 1: step ms and the device-only profile, beside the first engine's (A/B in one run).
 * fusions: a layer's rope + KV write and SiLU-and-mul at the 8B shape for T = 1, 16, 64 tokens,
   eager (model_ops.rotary + kernels_rocm.kv_cache; F.silu * up) vs the fused Triton kernel.
 * gemm: the skinny projections of the 8B shape (qkv, o_proj, gate_up, down, lm_head) at M = 1, 2,
@@ -54,7 +56,7 @@ if "--smoke" in sys.argv:  # Triton reads the flag when a kernel is decorated (a
 
 import torch  # noqa: E402
 
-PARTS = ("copy", "fusions", "transformers", "engine", "profile", "gemm")
+PARTS = ("copy", "fusions", "transformers", "engine", "profile", "nopdl", "gemm")
 PROMPT_SEED = 0
 
 
@@ -390,6 +392,20 @@ def markdown(results: dict) -> str:
                       "| kernel | us / step | calls / step |", "|---|---|---|"]
             lines += [f"| `{k['name']}` | {k['us_per_step']:.1f} | {k['calls_per_step']:.1f} |" for k in p["top_kernels"]]
         lines.append("")
+    if nopdl := results.get("nopdl"):
+        with_pdl = next((r for r in results.get("engine", []) if r["batch"] == 1), None)
+        with_profile = next((p for p in results.get("profile", []) if p["batch"] == 1), None)
+
+        def row(label, e, p):
+            idle = p.get("device_only", p).get("gpu_idle_fraction") if p else None
+            return (f"| {label} | {e['step_ms']:.2f} | {e['fraction_of_roofline']:.0%} | "
+                    + (f"{idle:.1%} | {p['kernels_per_step']:.0f} |" if idle is not None else "- | - |"))
+        lines += ["### Programmatic dependent launch on / off, batch 1 (two engines, same run)", "",
+                  "| PDL | step ms (overlapped) | % of roofline | GPU idle (device-only profile) | kernels / step |",
+                  "|---|---|---|---|---|"]
+        if with_pdl:
+            lines.append(row("on", with_pdl, with_profile))
+        lines += [row("off", nopdl["engine"][0], nopdl["profile"]), ""]
     if results.get("fusions"):
         lines += ["### Fused decode ops vs their eager versions (one layer)", "",
                   "| op | tokens | eager us | fused us | speedup |", "|---|---|---|---|---|"]
@@ -481,13 +497,16 @@ def main() -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if {"engine", "profile"} & set(parts):
+        if {"engine", "profile", "nopdl"} & set(parts):
             from atom_like import LLMEngine
 
+            def build_engine():
+                return LLMEngine(path, dtype=str(dtype).removeprefix("torch."), device=device.type,
+                                 max_model_len=args.prompt_len + args.max_tokens + args.profile_steps + 16,
+                                 max_num_seqs=max(batches), gpu_memory_utilization=0.85)
+
             start = time.perf_counter()
-            engine = LLMEngine(path, dtype=str(dtype).removeprefix("torch."), device=device.type,
-                               max_model_len=args.prompt_len + args.max_tokens + args.profile_steps + 16,
-                               max_num_seqs=max(batches), gpu_memory_utilization=0.85)
+            engine = build_engine()
             results["part_seconds"]["engine_start"] = time.perf_counter() - start
             results["meta"]["attention_backends"] = sorted(
                 {type(b.backend).__name__ for b in engine.runner.builders})
@@ -498,6 +517,19 @@ def main() -> None:
             if "profile" in parts:
                 timed_part("profile", lambda: [profile_engine(engine, clock, int(b), args.prompt_len, args.profile_steps)
                                                for b in args.profile_batch_sizes.split(",")])
+            if "nopdl" in parts:
+                from kernels_rocm import _pdl
+
+                engine.shutdown()
+                del engine
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                _pdl.set_enabled(False)  # kernels and graphs of the new engine launch without PDL
+                engine = build_engine()
+                timed_part("nopdl", lambda: dict(
+                    engine=bench_engine(engine, clock, [1], args.prompt_len, args.max_tokens, copy_gbps),
+                    profile=profile_engine(engine, clock, 1, args.prompt_len, args.profile_steps)))
     print(write())
 
 

@@ -211,6 +211,7 @@ CASES: dict[str, Callable[[str], None]] = {
     "SiLU-and-mul I14336": lambda _: silu_and_mul(_t(64, 2 * 14336)),
     "skinny GEMM M1 N6144 K4096": lambda _: skinny_mod.skinny_gemm(_t(1, 4096), _t(6144, 4096)),
     "skinny GEMM M8 N4096 K14336": lambda _: skinny_mod.skinny_gemm(_t(8, 14336), _t(4096, 14336)),
+    "skinny GEMM + SwiGLU M1 N28672 K4096": lambda _: skinny_mod.skinny_gemm(_t(1, 4096), _t(28672, 4096), swiglu=True),
     "skinny GEMM fp32 M3": lambda _: skinny_mod.skinny_gemm(_t(3, 4096, dtype=torch.float32),
                                                             _t(4096, 4096, dtype=torch.float32)),
     "skinny GEMM, bench_roofline's sweep at M 1, 2, 4, 8": _skinny_sweep,
@@ -290,6 +291,8 @@ class _CompileInsteadOfLaunch:
         target = TARGETS[self.target_name]
         backend = make_backend(target.gpu)
         kwargs.setdefault("debug", False)
+        if not target.is_hip and "PDL" in fn.arg_names:  # what an sm_90 launch runs (kernels_rocm._pdl)
+            kwargs.update(PDL=True, launch_pdl=True)
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound_args, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_rocm import _pdl as pdl
+from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import check_dim, check_same_device, check_tensor, num_compute_units
 
 LOG2E = 1.4426950408889634
@@ -116,7 +118,9 @@ def _merge_segments_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     stride_out_t: tl.int64, stride_out_h: tl.int64, num_heads,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * num_heads + head) * NUM_SEGMENTS
@@ -155,7 +159,7 @@ class SplitBuffers:
         _merge_segments_kernel[(num_tokens, num_heads)](
             self.acc, self.max, self.sum, out,
             out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SEGMENTS=num_segments,
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SEGMENTS=num_segments, **pdl.launch_args(out.device),
         )
 
 

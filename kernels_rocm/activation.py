@@ -10,13 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_rocm import _pdl as pdl
+from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import SUPPORTED_DTYPES, check_same_device, check_tensor
 
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x: tl.int64, stride_out: tl.int64, width, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x: tl.int64, stride_out: tl.int64, width,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -43,6 +47,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     check_same_device(x=x, out=out)
     if num_tokens:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, BLOCK))](
-            x, out, x.stride(0), out.stride(0), width, BLOCK=BLOCK, num_warps=4,
+            x, out, x.stride(0), out.stride(0), width, BLOCK=BLOCK, num_warps=4, **pdl.launch_args(x.device),
         )
     return out

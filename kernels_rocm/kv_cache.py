@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_rocm import _pdl as pdl
+from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import (
     FP8_DTYPES,
     SUPPORTED_DTYPES,
@@ -80,7 +82,9 @@ def _write_rows_kernel(
     HAS_B: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -148,6 +152,7 @@ def _launch_write(
         FP8=fp8, FP8_MAX=fp8_max(cache_a.dtype) if fp8 else 0.0,
         MIN_NORMAL_EXP=-7 if cache_a.dtype == torch.float8_e4m3fnuz else -6,
         SIGNED_ZERO=cache_a.dtype != torch.float8_e4m3fnuz,
+        **pdl.launch_args(src_a.device),
     )
 
 

@@ -31,6 +31,8 @@ from kernels_rocm._attention_common import (
     segment_tile_range,
     store_rows,
 )
+from kernels_rocm import _pdl as pdl
+from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import (
     FP8_DTYPES,
     IS_HIP,
@@ -87,7 +89,9 @@ def _mla_attention_kernel(
     FP8: tl.constexpr,  # the cache holds fp8 rows, dequantization scale at kv_scale_ptr
     FP8_PTX: tl.constexpr,  # e4m3fn rows on CUDA: upcast with e4m3fn_to_f16_ptx
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     head_group = tl.program_id(1)
     segment = tl.program_id(2)
     seq, q_start, q_len, q_block, context_len = locate_q_block(
@@ -277,6 +281,7 @@ def mla_paged_attention(
         DOT_PRECISION=dot_precision(torch.float16 if fp8 and not UPCAST_DOT else q_latent.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl.launch_args(q_latent.device),
     )
     if split is not None:
         split.merge_into(out, latent_dim)

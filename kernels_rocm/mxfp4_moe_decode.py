@@ -50,6 +50,8 @@ from kernels_rocm._mxfp4 import (
     qdq_mxfp4_last_axis,
     silu_mul,
 )
+from kernels_rocm import _pdl as pdl
+from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import INTERPRET, IS_HIP
 
 @dataclass(frozen=True)
@@ -124,7 +126,9 @@ def _gate_up_kernel(
     stride_se: tl.int64, stride_sn: tl.int64, stride_hm: tl.int64,
     TOP_K: tl.constexpr, QUANTIZE: tl.constexpr, PTX_DECODE: tl.constexpr,
     KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     expert = tl.where((expert >= 0) & (expert < E), expert, 0)  # in bounds; _down_kernel drops the pair
@@ -175,7 +179,9 @@ def _down_kernel(
     stride_se: tl.int64, stride_sn: tl.int64, stride_om: tl.int64,
     TOP_K: tl.constexpr, QUANTIZE: tl.constexpr, PTX_DECODE: tl.constexpr, UNROLL_SLOTS: tl.constexpr,
     KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     rows, row_valid, lane, byte, act = _tile_offsets(N, KL, G, R)
     w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
@@ -231,12 +237,13 @@ def fused_moe_mxfp4_decode(
         x, w13, w13_scale, h, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
         TOP_K=top_k, QUANTIZE=quantize_activations, PTX_DECODE=ptx, KL=kl, G=g, R=r, num_warps=cfg.gate_up_warps,
+        **pdl.launch_args(x.device),
     )
     kl, g, r = _tile(inter, cfg.down_rows, cfg.down_warps)
     _down_kernel[(num_tokens, triton.cdiv(hidden, g * r))](
         h, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
         h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
         TOP_K=top_k, QUANTIZE=quantize_activations, PTX_DECODE=ptx, UNROLL_SLOTS=not IS_HIP,
-        KL=kl, G=g, R=r, num_warps=cfg.down_warps,
+        KL=kl, G=g, R=r, num_warps=cfg.down_warps, **pdl.launch_args(x.device),
     )
     return out

@@ -30,6 +30,8 @@ from kernels_rocm._attention_common import (
     segment_tile_range,
     store_rows,
 )
+from kernels_rocm import _pdl as pdl
+from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import (
     FP8_DTYPES,
     IS_HIP,
@@ -64,7 +66,9 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     FP8: tl.constexpr,  # caches hold fp8: upcast on load, scales from k_scale_ptr / v_scale_ptr
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
     seq, q_start, q_len, q_block, context_len = locate_q_block(
@@ -230,6 +234,7 @@ def paged_attention(
         DOT_PRECISION=dot_precision(torch.float16 if fp8 and not UPCAST_DOT else q.dtype),
         num_warps=8 if block_m >= 64 else 4,
         num_stages=1 if IS_HIP else 2,
+        **pdl.launch_args(q.device),
     )
     if split is not None:
         split.merge_into(out, head_dim)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_rocm import _pdl as pdl
+from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import SUPPORTED_DTYPES, check_dim, check_out, check_same_device, check_tensor
 
 MAX_HIDDEN = 65_536  # one row per program held in registers
@@ -23,7 +25,9 @@ def _rms_norm_kernel(
     stride_x: tl.int64, stride_residual: tl.int64, stride_out: tl.int64,
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -49,7 +53,7 @@ def _launch(x, residual, weight, eps, out):
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)),
+        num_warps=min(16, max(1, block // 512)), **pdl.launch_args(x.device),
     )
 
 

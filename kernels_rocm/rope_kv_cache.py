@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_rocm import _pdl as pdl
+from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import (
     SUPPORTED_DTYPES,
     check_dim,
@@ -76,7 +78,9 @@ def _rope_write_kernel(
     DIM_V: tl.constexpr, DIM_V_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, HALF_PAD)
     col_valid = cols < HALF
@@ -144,6 +148,7 @@ def _launch(slot_mapping, cos, sin, q, key, k_cache, k_scale, value, v_cache, v_
         FP8=fp8, FP8_MAX=fp8_max(k_cache.dtype) if fp8 else 0.0,
         MIN_NORMAL_EXP=-7 if k_cache.dtype == torch.float8_e4m3fnuz else -6,
         SIGNED_ZERO=k_cache.dtype != torch.float8_e4m3fnuz,
+        **pdl.launch_args(q.device),
     )
     return q_out
 

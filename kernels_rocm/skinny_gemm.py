@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_rocm import _pdl as pdl
+from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import (
     IS_HIP,
     SUPPORTED_DTYPES,
@@ -71,17 +73,27 @@ def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K,
     stride_xm: tl.int64, stride_wn: tl.int64, stride_ym: tl.int64,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
+    SWIGLU: tl.constexpr, PDL: tl.constexpr,
 ):
     # Tiles are [LANES, BLOCK_N or 1, 1 or BLOCK_M, VEC] with k = lane * VEC + v. Only the VEC axis
     # is contiguous in memory, so Triton gives it to one lane (a 16-byte vector), spreads the lane
     # axis (listed first) over lanes then warps exactly (LANES = warp size x num_warps), and keeps
     # the N and M axes in every lane's registers: the x and w loads get one layout, and the
     # broadcast product and the VEC sum never leave the lane.
+    wait_for_previous_kernel(PDL)
     BLOCK_K: tl.constexpr = LANES * VEC
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SWIGLU:
+        # N outputs from 2N weight rows [gate; up]: a program's rows alternate gate j, up j, so the
+        # epilogue finds each output's two dot products side by side
+        OUT_N: tl.constexpr = BLOCK_N // 2
+        cols = tl.program_id(0) * OUT_N + tl.arange(0, BLOCK_N) // 2
+        rows = tl.minimum(cols, N - 1).to(tl.int64) + (tl.arange(0, BLOCK_N) % 2) * N
+    else:
+        OUT_N: tl.constexpr = BLOCK_N
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(cols, N - 1).to(tl.int64)  # rows past N re-read row N - 1: no mask on the weight loads
     rm = tl.arange(0, BLOCK_M)
     rk = (tl.arange(0, LANES)[:, None] * VEC + tl.arange(0, VEC)[None, :])[:, None, None, :]
-    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N re-read row N - 1: no mask on the weight loads
     w_ptrs = w_ptr + rows[None, :, None, None] * stride_wn + rk  # [LANES, BLOCK_N, 1, VEC]
     x_ptrs = x_ptr + rm[None, None, :, None].to(tl.int64) * stride_xm + rk  # [LANES, 1, BLOCK_M, VEC]
     m_valid = (rm < M)[None, None, :, None]
@@ -97,13 +109,24 @@ def _gemv_kernel(
         x = tl.load(x_ptrs + k_full, mask=m_valid & k_valid, other=0.0).to(tl.float32)
         acc += tl.sum(x * w, axis=3)
     out = tl.sum(acc, axis=0)  # [BLOCK_N, BLOCK_M]: the one cross-lane reduction
-    y_ptrs = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(rn < N)[:, None] & (rm < M)[None, :])
+    dtype = y_ptr.dtype.element_ty
+    if SWIGLU:
+        # rounded as the unfused path rounds: the GEMM's outputs, silu(gate), then the product
+        gate, up = tl.split(tl.permute(tl.reshape(out, (OUT_N, 2, BLOCK_M)), (0, 2, 1)))
+        gate = gate.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        out = silu * up.to(dtype).to(tl.float32)
+        cols = tl.program_id(0) * OUT_N + tl.arange(0, OUT_N)
+    y_ptrs = y_ptr + rm[None, :].to(tl.int64) * stride_ym + cols[:, None]
+    tl.store(y_ptrs, out.to(dtype), mask=(cols < N)[:, None] & (rm < M)[None, :])
 
 
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
+                swiglu: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_M) times w [N, K]^T -> [M, N] in x's dtype, fp32 accumulation, one launch.
-    `config` None takes default_config."""
+    `config` None takes default_config. `swiglu`: w is a merged [gate; up] projection [2I, K] and
+    the result is silu(gate) * up [M, I], rounded exactly as the product followed by
+    kernels_rocm.activation.silu_and_mul (one kernel and one [M, 2I] round trip fewer)."""
     check_tensor("x", x, 2, SUPPORTED_DTYPES)
     check_tensor("w", w, 2, (x.dtype,))
     check_dim("w", w, 1, x.shape[1], "x's inner dim")
@@ -112,17 +135,21 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = No
     n = w.shape[0]
     if m > MAX_M:
         raise ValueError(f"x has {m} rows: skinny_gemm takes at most {MAX_M} (use F.linear)")
+    if swiglu and n % 2:
+        raise ValueError(f"w has shape {tuple(w.shape)}: swiglu needs an even row count ([gate; up])")
     config = config or default_config(m)
-    if config.block_n < 1 or config.block_n & (config.block_n - 1):
-        raise ValueError(f"GemvConfig.block_n must be a power of two, got {config.block_n}")
+    if config.block_n < 1 or config.block_n & (config.block_n - 1) or swiglu and config.block_n < 2:
+        raise ValueError(f"GemvConfig.block_n must be a power of two{' >= 2 with swiglu' if swiglu else ''}, "
+                         f"got {config.block_n}")
     if config.num_warps not in NUM_WARPS:
         raise ValueError(f"GemvConfig.num_warps must be one of {NUM_WARPS}, got {config.num_warps}")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m and n:
+    n_out = n // 2 if swiglu else n
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    if m and n_out:
         warp_size = 64 if IS_HIP else 32  # the tile layout needs one lane per LANES entry (CDNA: wave64)
         _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-            x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+            x, w, y, m, n_out, k, x.stride(0), w.stride(0), y.stride(0),
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, LANES=warp_size * config.num_warps,
-            VEC=16 // x.element_size(), num_warps=config.num_warps,
+            VEC=16 // x.element_size(), SWIGLU=swiglu, num_warps=config.num_warps, **pdl.launch_args(x.device),
         )
     return y

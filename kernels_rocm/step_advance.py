@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_rocm import _pdl as pdl
+from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import check_same_device, check_tensor
 
 
@@ -24,7 +26,9 @@ def _advance_kernel(
     index_ptr, stride_index, accepted_ptr, token_ptr, stride_token, drafts_ptr, stride_drafts,
     input_ids_ptr, positions_ptr, context_lens_ptr, tables_ptr, stride_table, slots_ptr,
     Q: tl.constexpr, Q_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     f = tl.program_id(0)
     src = tl.load(index_ptr + f)
     seq = tl.load(index_ptr + stride_index + f)
@@ -67,5 +71,5 @@ def advance(index: torch.Tensor, num_accepted: torch.Tensor, token_ids: torch.Te
         index, index.stride(0), num_accepted, token_ids, token_ids.stride(0),
         drafts if drafts is not None else token_ids, drafts.stride(0) if drafts is not None else 0,
         input_ids, positions, context_lens, block_tables, block_tables.stride(0), slot_mapping,
-        Q=q, Q_PAD=triton.next_power_of_2(q), BLOCK_SIZE=block_size,
+        Q=q, Q_PAD=triton.next_power_of_2(q), BLOCK_SIZE=block_size, **pdl.launch_args(index.device),
     )

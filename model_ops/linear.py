@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_ops import tp
+from model_ops.activation import silu_and_mul
 from model_ops.deferred import weight_device
 from model_ops.tp import TPSlice
 
@@ -75,17 +76,32 @@ def _gemv() -> ModuleType | None:
     return skinny_gemm
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b). Decode-sized products (at most 4 rows: batch 1-4, or one sequence's verify of
-    3 drafts) on an NVIDIA GPU run the GEMV kernel, 5-13% faster than cuBLAS on every Llama-3.1-8B
-    projection and the LM head on an H100 (docs/benchmarks.md section 8); everything else, and
-    every CPU product (the exact reference), is F.linear."""
-    if (bias is None and x.dim() == 2 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+def _gemv_for(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+    """The GEMV kernel module when it takes this product: decode-sized (at most 4 rows: batch 1-4,
+    or one sequence's verify of 3 drafts), 16-bit, on an NVIDIA GPU, with unit last strides."""
+    if (x.dim() == 2 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
             and (kernels := _gemv()) is not None
             and x.shape[0] <= kernels.FASTER_THAN_CUBLAS_UP_TO_M):
+        return kernels
+    return None
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b). Decode-sized products on an NVIDIA GPU run the GEMV kernel, 5-13% faster than
+    cuBLAS on every Llama-3.1-8B projection and the LM head on an H100 (docs/benchmarks.md
+    section 8); everything else, and every CPU product (the exact reference), is F.linear."""
+    if bias is None and (kernels := _gemv_for(x, weight)) is not None:
         return kernels.skinny_gemm(x, weight)
     return F.linear(x, weight, bias)
+
+
+def dense_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x W^T for a merged [gate; up] weight. Where `dense` takes the GEMV
+    kernel, SwiGLU runs in its epilogue (same rounding, one kernel fewer a layer)."""
+    if (kernels := _gemv_for(x, weight)) is not None:
+        return kernels.skinny_gemm(x, weight, swiglu=True)
+    return silu_and_mul(dense(x, weight))
 
 
 class Linear(nn.Module):
@@ -159,6 +175,12 @@ class MergedColumnParallelLinear(MergedLinear):
         ranges = tuple(tp.rank_range(s, what) for s in output_sizes)
         super().__init__(in_features, [b - a for a, b in ranges], bias,
                          LinearSharding(False, tuple(output_sizes), ranges))
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate; up] projection (this rank's columns of the intermediate)."""
+        if self.bias is not None:
+            return silu_and_mul(self(x))
+        return dense_silu_and_mul(x, self.weight)
 
 
 class QKVParallelLinear(MergedLinear):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels_rocm.activation import silu_and_mul
 from kernels_rocm.skinny_gemm import MAX_M, GemvConfig, default_config, skinny_gemm
 
 CONFIGS = [GemvConfig(block_n=4, num_warps=1), GemvConfig(block_n=8, num_warps=2), None]
@@ -47,6 +48,26 @@ def test_half_precision_rounds_once(dtype):
     assert ((out.float() - expected).abs() <= ulp).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("config", [GemvConfig(block_n=2, num_warps=1), GemvConfig(block_n=8, num_warps=2)],
+                         ids=["2x1", "8x2"])
+def test_swiglu_epilogue_equals_gemm_then_silu_and_mul(dtype, m, config):
+    """The fused epilogue is bit-identical to the GEMM's rounded output followed by the SiLU-and-mul
+    kernel (each output's dot products run the same lanes in the same order), and close to the
+    eager SwiGLU. I = 19 leaves the last program's outputs partly past I."""
+    g = torch.Generator().manual_seed(7 + m)
+    inter, k = 19, 389
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(2 * inter, k + 5, generator=g).to(dtype)[:, :k]
+    fused = skinny_gemm(x, w, config, swiglu=True)
+    assert fused.shape == (m, inter) and fused.dtype == dtype
+    assert torch.equal(fused, silu_and_mul(skinny_gemm(x, w, config)))
+    gate, up = F.linear(x.float(), w.float()).chunk(2, dim=-1)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(fused.float(), F.silu(gate) * up, atol=tol, rtol=tol)
+
+
 def test_empty_shapes():
     x = torch.randn(2, 0)
     assert torch.equal(skinny_gemm(x, torch.randn(5, 0)), torch.zeros(2, 5))
@@ -74,5 +95,9 @@ def test_rejects_bad_inputs():
         skinny_gemm(torch.randn(2, 8), torch.randn(4, 8, device="meta"))
     with pytest.raises(ValueError, match="block_n must be a power of two, got 6"):
         skinny_gemm(torch.randn(2, 8), torch.randn(4, 8), GemvConfig(block_n=6))
+    with pytest.raises(ValueError, match=r"swiglu needs an even row count"):
+        skinny_gemm(torch.randn(2, 8), torch.randn(5, 8), swiglu=True)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 2 with swiglu, got 1"):
+        skinny_gemm(torch.randn(2, 8), torch.randn(4, 8), GemvConfig(block_n=1), swiglu=True)
     with pytest.raises(ValueError, match="num_warps must be one of .* got 3"):
         skinny_gemm(torch.randn(2, 8), torch.randn(4, 8), GemvConfig(num_warps=3))

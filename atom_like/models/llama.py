@@ -36,6 +36,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, reduce=reduce, what=what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, MergedColumnParallelLinear):  # float weights (not replaced by MXFP4)
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 

@@ -76,6 +76,36 @@ def test_graph_replay_matches_eager(make_llama, make_eagle3_llama, batch_size, s
         assert graphed.runner.graphs.first_pass[1, 4].graph is not None
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("spec", [False, True])
+def test_pdl_launches_match_plain_launches(make_llama, make_eagle3_llama, batch_size, spec):
+    """Programmatic dependent launch (kernels_rocm._pdl, sm_90+) overlaps a kernel's launch with
+    the previous kernel's tail; a kernel reading or writing before its wait would race. The
+    graphed engine with it gives the tokens of one without it (batch 1 and 3: the GEMV and its
+    SwiGLU epilogue run, with the verify's 4 rows too)."""
+    from kernels_rocm import _pdl
+
+    hopper = torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
+    assert _pdl.launch_args(torch.device("cuda"))["PDL"] == hopper
+    path = make_llama(**GPU_LLAMA)
+    kwargs = dict(dtype="bfloat16", max_model_len=192, gpu_memory_utilization=0.3, max_num_seqs=16)
+    if spec:
+        kwargs.update(method="eagle3", draft_model=make_eagle3_llama(path, aux_layer_ids=[1, 4, 7]),
+                      num_speculative_tokens=3, speculative_adaptive=False)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    batch = prompts(batch_size, seed=10 + batch_size)
+    _pdl.set_enabled(False)
+    try:
+        plain = LLMEngine(path, **kwargs)
+        expected = [o.token_ids for o in plain.generate(batch, params, use_tqdm=False)]
+    finally:
+        _pdl.set_enabled(True)
+    plain.shutdown()
+    del plain
+    with_pdl = LLMEngine(path, **kwargs)
+    assert [o.token_ids for o in with_pdl.generate(batch, params, use_tqdm=False)] == expected
+
+
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_graph_replay_matches_eager_mla(make_deepseek, make_eagle3_mla, batch_size):
     """DeepSeek-V3 target (MLA + fused MoE) with an EAGLE3 MLA draft: the captured target step

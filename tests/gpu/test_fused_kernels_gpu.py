@@ -125,6 +125,18 @@ def test_skinny_gemm(m, n_k):
     assert torch.equal(out, skinny_gemm(x, w))
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_skinny_gemm_swiglu_epilogue(m):
+    """SwiGLU in the GEMV's epilogue: bit-identical to the GEMV's output through the SiLU-and-mul
+    kernel (the model's unfused path) at the 8B gate_up shape."""
+    g = torch.Generator().manual_seed(20 + m)
+    x = torch.randn(m, 4096, generator=g).to(DEVICE, DT)
+    w = (torch.randn(28672, 4096, generator=g) * 0.02).to(DEVICE, DT)
+    fused = skinny_gemm(x, w, swiglu=True)
+    assert fused.shape == (m, 14336)
+    assert torch.equal(fused, silu_and_mul(skinny_gemm(x, w)))
+
+
 def test_greedy_tokens_is_argmax_with_its_ties():
     """The chunked argmax of a few long rows returns torch.argmax's index, first maximum on ties
     (integer-valued logits: many ties, some across chunks)."""
