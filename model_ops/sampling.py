@@ -25,6 +25,9 @@ class SamplingTensors:
     generators: list[torch.Generator | None]  # per-row RNG (None: the shared one)
     # every row is greedy: known on the host, so the greedy path never reads it back from the device
     all_greedy: bool
+    # the rows that draw from the shared generator, on the device (None: every row does), so
+    # that noise is scattered into them without a Python-list index (a blocking upload)
+    shared_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, temperature: list[float], top_k: list[int], top_p: list[float],
@@ -41,6 +44,7 @@ class SamplingTensors:
             top_p=upload(top_p, torch.float32),
             generators=generators,
             all_greedy=all(t == 0 for t in temperature),
+            shared_rows=_shared_rows(generators, device),
         )
 
     @property
@@ -87,34 +91,45 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return torch.where(st.greedy[:, None], one_hot, probs)
 
 
+def _shared_rows(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor | None:
+    """The rows without a generator of their own, on the device; None when that is every row."""
+    if all(g is None for g in generators):
+        return None
+    return _to(np.array([i for i, g in enumerate(generators) if g is None], dtype=np.int64), device)
+
+
 def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
-                      shared: torch.Generator, device: torch.device) -> torch.Tensor:
+                      shared_rows: torch.Tensor | None, shared: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise, row i from generators[i]: the rows without one (`shared_rows`, None for all)
+    get one draw from `shared`, in row order; each other row its own generator's draw."""
+    if shared_rows is None:
+        return torch.empty(shape, device=device).exponential_(generator=shared).clamp_min_(1e-20)
     noise = torch.empty(shape, device=device)
-    shared_rows = [i for i, g in enumerate(generators) if g is None]
-    if shared_rows:
-        noise[shared_rows] = torch.empty(len(shared_rows), shape[1], device=device).exponential_(generator=shared)
+    if len(shared_rows):
+        noise.index_copy_(0, shared_rows, torch.empty(len(shared_rows), shape[1], device=device).exponential_(generator=shared))
     for i, g in enumerate(generators):
         if g is not None:
             noise[i].exponential_(generator=g)
     return noise.clamp_min_(1e-20)
 
 
-def uniform_noise(n: int, generators: list[torch.Generator | None], shared: torch.Generator,
+def uniform_noise(generators: list[torch.Generator | None], shared_rows: torch.Tensor | None, shared: torch.Generator,
                   device: torch.device) -> torch.Tensor:
-    """One U[0, 1) per row, from the row's generator."""
-    out = torch.empty(n, device=device)
-    shared_rows = [i for i, g in enumerate(generators) if g is None]
-    if shared_rows:
-        out[shared_rows] = torch.rand(len(shared_rows), device=device, generator=shared)
+    """One U[0, 1) per row, from the row's generator (shared rows as in exponential_noise)."""
+    if shared_rows is None:
+        return torch.rand(len(generators), device=device, generator=shared)
+    out = torch.empty(len(generators), device=device)
+    if len(shared_rows):
+        out.index_copy_(0, shared_rows, torch.rand(len(shared_rows), device=device, generator=shared))
     for i, g in enumerate(generators):
         if g is not None:
             out[i] = torch.rand(1, device=device, generator=g)[0]
     return out
 
 
-def sample_from(probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator) -> torch.Tensor:
-    """One exact draw per row of `probs` (rows need not be normalised)."""
-    noise = exponential_noise(tuple(probs.shape), generators, shared, probs.device)
+def sample_from(probs: torch.Tensor, st: SamplingTensors, shared: torch.Generator) -> torch.Tensor:
+    """One exact draw per row of `probs` (rows need not be normalised), from each row's generator."""
+    noise = exponential_noise(tuple(probs.shape), st.generators, st.shared_rows, shared, probs.device)
     return (probs / noise).argmax(dim=-1)
 
 
@@ -144,6 +159,8 @@ class DraftLayout:
     row_index: torch.Tensor  # [S, K + 1]: the row scoring the token after s's first j drafts (clamped to s's last)
     valid: torch.Tensor  # [S, K]: j < num_drafts[s]
     drafts: torch.Tensor  # [S, K] s's draft j (entries past its drafts are masked by `valid`)
+    draft_index: torch.Tensor  # [S, K]: where s's draft j sits in draft_ids (clamped; masked by `valid`)
+    draft_rows: np.ndarray  # [D] host: the logits row that scores each draft, in draft_ids' order
 
     @classmethod
     def of(cls, logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor) -> "DraftLayout":
@@ -161,7 +178,8 @@ class DraftLayout:
         # clamped into range for the gather; `valid` masks what lies past a sequence's drafts
         draft_index = _to(np.minimum(draft_start[:, None] + j[:, :width], max(int(n.sum()) - 1, 0)), device)
         drafts = draft_ids[draft_index] if width else draft_ids.new_zeros(num_seqs, 0)
-        return cls(row_start, row_index, valid, drafts)
+        draft_rows = np.repeat(row_start, n) + np.arange(int(n.sum())) - np.repeat(draft_start, n)
+        return cls(row_start, row_index, valid, drafts, draft_index, draft_rows)
 
     def verified(self, emitted: torch.Tensor, accept: torch.Tensor) -> Verified:
         """Each sequence keeps its drafts up to its first rejected one (`accept` [S, K]), then emits
@@ -211,33 +229,31 @@ def verify(logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor,
         emitted = greedy_tokens(logits)
         accept = layout.valid & (layout.drafts == emitted[layout.row_index[:, :-1]])
     else:
-        emitted, accepted_flat = _rejection_sample(logits, num_drafts, layout.row_start, draft_ids, st, shared,
-                                                   draft_probs)
-        accept = torch.zeros_like(layout.valid)
-        accept[layout.valid] = accepted_flat  # row-major order of `valid` is draft_ids' order
+        emitted, accepted_flat = _rejection_sample(logits, layout, draft_ids, st, shared, draft_probs)
+        # a gather, not a boolean-mask assignment: that one reads the mask's count back to the host
+        accept = layout.valid & accepted_flat[layout.draft_index] if accepted_flat.numel() else layout.valid.clone()
     return layout.verified(emitted, accept)
 
 
-def _rejection_sample(logits: torch.Tensor, num_drafts: list[int], row_start: np.ndarray, draft_ids: torch.Tensor,
-                      st: SamplingTensors, shared: torch.Generator,
-                      draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _rejection_sample(logits: torch.Tensor, layout: DraftLayout, draft_ids: torch.Tensor, st: SamplingTensors,
+                      shared: torch.Generator, draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the token each row would emit [R], whether each draft is accepted [D])."""
     device = logits.device
     p = processed_probs(logits, st)
-    rows = [int(start) + j for start, n in zip(row_start, num_drafts) for j in range(n)]
-    draft_rows = _to(np.array(rows, dtype=np.int64), device)
-    q = (torch.zeros_like(p[draft_rows]).scatter_(1, draft_ids[:, None], 1.0) if draft_probs is None
-         else draft_probs.float())
-    p_draft = p[draft_rows].gather(1, draft_ids[:, None]).squeeze(1)
+    draft_rows = _to(layout.draft_rows, device)
+    p_rows = p[draft_rows]
+    q = torch.zeros_like(p_rows).scatter_(1, draft_ids[:, None], 1.0) if draft_probs is None else draft_probs.float()
+    p_draft = p_rows.gather(1, draft_ids[:, None]).squeeze(1)
     q_draft = q.gather(1, draft_ids[:, None]).squeeze(1)
-    row_gens = [st.generators[r] for r in rows]
-    accept = uniform_noise(len(rows), row_gens, shared, device) < (p_draft / q_draft).clamp(max=1.0)
+    row_gens = ([st.generators[r] for r in layout.draft_rows] if st.shared_rows is not None
+                else [None] * len(layout.draft_rows))
+    accept = uniform_noise(row_gens, _shared_rows(row_gens, device), shared, device) < (p_draft / q_draft).clamp(max=1.0)
     # a rejected draft's row emits from max(p - q, 0); a sequence's last row emits its bonus from p
     residual = p.clone()
-    residual[draft_rows] = (p[draft_rows] - q).clamp_min(0.0)
+    residual[draft_rows] = (p_rows - q).clamp_min(0.0)
     empty = residual.sum(dim=-1, keepdim=True) <= 0  # only when p == q exactly: then p itself
     residual = torch.where(empty, p, residual)
-    return sample_from(residual, st.generators, shared), accept
+    return sample_from(residual, st, shared), accept
 
 
 def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -4,6 +4,7 @@ stand in for device memory the host must not read: any read raises."""
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from model_ops.sampling import SamplingTensors, verify
 
@@ -27,3 +28,29 @@ def test_greedy_verification_reads_no_sampling_tensor():
 def test_all_greedy_is_the_rows_fact():
     assert not SamplingTensors.build([0.0, 0.7], [-1, -1], [1.0, 1.0], [None, None], 16, torch.device("cpu")).all_greedy
     assert SamplingTensors.build([0.0, 0.0], [-1, 5], [1.0, 0.5], [None, None], 16, torch.device("cpu")).all_greedy
+
+
+class _NoHostWait(TorchFunctionMode):
+    """Fails on what makes a GPU host wait for the device: reading a device value, or indexing
+    with a Python list (a blocking upload) or a boolean mask (its count is read back)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        index = args[1] if name in ("__getitem__", "__setitem__") else ()
+        parts = index if isinstance(index, tuple) else (index,)
+        if name in ("item", "tolist", "nonzero", "__bool__", "masked_select") or any(
+                isinstance(p, list) or (isinstance(p, torch.Tensor) and p.dtype == torch.bool) for p in parts):
+            raise AssertionError(f"{name} would make the host wait for the device")
+        return func(*args, **(kwargs or {}))
+
+
+def test_sampling_verification_never_waits_for_the_device():
+    """Rejection sampling, with and without drafts, with and without per-request generators."""
+    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
+    for num_drafts, draft_ids in (([1, 0, 2], torch.tensor([3, 7, 1])), ([0] * 6, torch.zeros(0, dtype=torch.long))):
+        rows = sum(num_drafts) + len(num_drafts)
+        for generators in ([None] * rows, [None, torch.Generator().manual_seed(1)] * (rows // 2)):
+            st = SamplingTensors.build([0.8] * rows, [-1] * rows, [1.0] * rows, generators, 16, torch.device("cpu"))
+            with _NoHostWait():
+                verified = verify(logits[:rows], num_drafts, draft_ids, st, torch.Generator().manual_seed(2))
+            assert verified.token_ids.shape == (len(num_drafts), max(num_drafts) + 1)

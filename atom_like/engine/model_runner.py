@@ -346,8 +346,9 @@ class ModelRunner:
         (the drafts are read from the step's device inputs: the host may not know them yet)."""
         items = [batch.seqs[i] for i in sampling]
         rows = [step.rows_per_seq[i] for i in sampling]
-        starts = np.concatenate([[0], np.cumsum(rows)[:-1]])
-        draft_rows = np.array([s + j for s, n in zip(starts, rows) for j in range(n - 1)], dtype=np.int64)
+        counts = np.array(rows, dtype=np.int64) - 1  # each sequence's drafts: its rows but the last
+        starts = np.cumsum(counts + 1) - counts - 1
+        draft_rows = np.repeat(starts, counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         draft_ids = step.input_ids[step.logits_rows[torch.from_numpy(draft_rows).to(self.device, non_blocking=True)] + 1]
         return self.sampler.sample(logits, items, draft_ids)
 

@@ -29,10 +29,11 @@ def row_sampling_tensors(params: list[SamplingParams], generators: list[torch.Ge
                          rows_per_seq: list[int], vocab_size: int, device: torch.device) -> SamplingTensors:
     """Sampling settings for logits rows: each sequence's settings (and generator) repeated over
     its rows (its draft tokens + 1 when verifying, else 1)."""
-    expanded = [(p, g) for p, g, n in zip(params, generators, rows_per_seq) for _ in range(n)]
+    repeat = np.array(rows_per_seq, dtype=np.int64)
     return SamplingTensors.build(
-        [p.temperature for p, _ in expanded], [p.top_k for p, _ in expanded],
-        [p.top_p for p, _ in expanded], [g for _, g in expanded], vocab_size, device,
+        np.repeat([p.temperature for p in params], repeat).tolist(), np.repeat([p.top_k for p in params], repeat).tolist(),
+        np.repeat([p.top_p for p in params], repeat).tolist(),
+        [g for g, n in zip(generators, rows_per_seq) for _ in range(n)], vocab_size, device,
     )
 
 
@@ -41,6 +42,8 @@ def row_logits_processors(seqs: list[SeqStep], vocab_size: int, device: torch.de
     each): row j of a sequence scores the token after its first j drafts, so its history is the
     sequence's tokens plus drafts[:j], and it has generated num_generated + j tokens before it.
     None when no sequence asks for any processor."""
+    if not any(s.params.logit_bias or (s.params.min_tokens and s.stop_ids) or s.params.has_penalties for s in seqs):
+        return None
     drafts = [s.spec_token_ids for s in seqs]
     starts = list(accumulate([0] + [len(d) + 1 for d in drafts]))[:-1]
     bias, banned, penalized = [], [], []
@@ -146,11 +149,17 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}  # requests that bring a seed
         self.verifier: Verifier = verify  # which drafts a step keeps and what it emits (model_ops.sampling)
+        # the latest step's row settings, by (request ids, rows each): a decode batch that keeps its
+        # sequences and k reuses them (read-only device tensors) instead of rebuilding and uploading
+        self._rows_key: tuple | None = None
+        self._rows: SamplingTensors | None = None
 
     def drop(self, request_ids: list[str]) -> None:
-        """Forget finished requests' generators."""
+        """Forget finished requests' generators (and the cached rows: a request id may come back)."""
         for request_id in request_ids:
             self.request_generators.pop(request_id, None)
+        if request_ids:
+            self._rows_key = self._rows = None
 
     def _generator(self, seq: SeqStep) -> torch.Generator | None:
         if seq.params.seed is None:
@@ -164,8 +173,12 @@ class Sampler:
         flattened (device values: a sequence whose drafts the host has not seen yet has
         placeholders in spec_token_ids, and only their count matters here)."""
         num_drafts = [len(s.spec_token_ids) for s in seqs]
-        st = row_sampling_tensors([s.params for s in seqs], [self._generator(s) for s in seqs], [n + 1 for n in num_drafts],
-                                  self.vocab_size, logits.device)
+        key = (tuple(s.request_id for s in seqs), tuple(num_drafts))
+        if key != self._rows_key:
+            self._rows = row_sampling_tensors([s.params for s in seqs], [self._generator(s) for s in seqs],
+                                              [n + 1 for n in num_drafts], self.vocab_size, logits.device)
+            self._rows_key = key
+        st = self._rows
         processors = row_logits_processors(seqs, logits.shape[-1], logits.device)
         verified = self.verifier(logits, num_drafts, draft_ids, st, self.generator, processors)
         logprobs = None
