@@ -6,8 +6,8 @@
         h = qdq_mxfp4(h) if quantize_activations
         out[t] += topk_weights[t, k] * (h @ W2[e]^T)
 
-Up to DECODE_MAX_TOKENS tokens with W4A16 `fused_moe_mxfp4` takes the GEMV-style decode path instead
-(`mxfp4_moe_decode`: no alignment, no tl.dot, two launches). The grouped path follows the
+Up to DECODE_MAX_TOKENS tokens `fused_moe_mxfp4` takes the GEMV-style decode path instead
+(`mxfp4_moe_decode`: no alignment, no tl.dot, two launches, and two QDQ launches with W4A4). The grouped path follows the
 structure of `fused_moe` (same routing alignment, `moe_align_block_size`): pairs sorted by
 expert and padded to BLOCK_M, a grouped GEMM over (M block, N tile) programs that exit past the
 used length, then the sum over a token's K rows. The MXFP4 parts (see `_mxfp4`):
@@ -50,12 +50,11 @@ from kernels_rocm.fused_moe import choose_block_m, moe_align_block_size
 from kernels_rocm.mxfp4_linear import GemmConfig, choose_split_k, dot_dtype, ptx_decode, split_k_range
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig, fused_moe_mxfp4_decode
 
-# Up to this many tokens, with activations in the model dtype (W4A16), fused_moe_mxfp4 takes the
-# GEMV-style decode path (mxfp4_moe_decode). Measured on an H100 (docs/benchmarks.md section 6,
-# ci/bench_mxfp4_decode.py): W4A16 decode beats the grouped GEMMs at T = 1..4 on both Kimi shapes
-# (TP8 rank: 29.6 vs 49.0 us at T = 1; full width: 131.9 vs 160.1) and loses from T = 8 at full
-# width. With MXFP4 activations (W4A4) every decode program quantizes its activations again:
-# 53.1 vs 51.1 us at T = 1, so W4A4 keeps the grouped path.
+# Up to this many tokens fused_moe_mxfp4 takes the GEMV-style decode path (mxfp4_moe_decode).
+# Measured on an H100 (docs/benchmarks.md section 6, ci/bench_mxfp4_decode.py): decode beats the
+# grouped GEMMs at T = 1..4 on both Kimi shapes, W4A16 and W4A4 alike (TP8 rank at T = 1: 31.0 /
+# 31.8 us against 48.9 / 50.9; full width: 131.2 / 133.1 against 160.8 / 176.5), and loses from
+# T = 8 at full width.
 DECODE_MAX_TOKENS = 4
 
 
@@ -246,7 +245,7 @@ def fused_moe_mxfp4(
     """Routed MXFP4 experts: x [T, H] (bf16/fp16/fp32), w13 uint8 [E, 2I, H/2] (gate rows then up
     rows) with w13_scale uint8 E8M0 [E, 2I, H/32], w2 uint8 [E, H, I/2] with w2_scale [E, H, I/32],
     topk_weights [T, K] fp32, topk_ids [T, K] int32/int64 in [0, E). Returns [T, H] in x's dtype
-    (or writes `out`). Graph-capturable. Up to DECODE_MAX_TOKENS tokens of W4A16 the decode path runs
+    (or writes `out`). Graph-capturable. Up to DECODE_MAX_TOKENS tokens the decode path runs
     (`mxfp4_moe_decode`), else the grouped GEMMs; `config` overrides the choice (benchmarks): a
     MoeConfig forces the grouped GEMMs with those tiles, a DecodeConfig the decode path."""
     _check_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
@@ -261,8 +260,7 @@ def fused_moe_mxfp4(
                          f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if num_tokens == 0:
         return out
-    if isinstance(config, DecodeConfig) or (config is None and not quantize_activations
-                                            and num_tokens <= DECODE_MAX_TOKENS):
+    if isinstance(config, DecodeConfig) or (config is None and num_tokens <= DECODE_MAX_TOKENS):
         return fused_moe_mxfp4_decode(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
                                       quantize_activations, out, config)
 

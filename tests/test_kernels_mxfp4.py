@@ -235,14 +235,13 @@ def test_moe_rejects_bad_shapes():
 @pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
 @pytest.mark.parametrize("num_tokens", [1, 2, 3], ids=lambda t: f"T{t}")
 def test_moe_decode_matches_reference_and_grouped(num_tokens, quantize):
-    """The decode path (taken by default at these T with W4A16, forced with W4A4) against the
-    reference and the grouped GEMMs. Every token's first pick is expert 7 (odd, shared by all
-    tokens); the others odd or even."""
+    """The decode path (taken by default at these T, W4A16 and W4A4) against the reference and
+    the grouped GEMMs. Every token's first pick is expert 7 (odd, shared by all tokens); the
+    others odd or even."""
     assert num_tokens <= DECODE_MAX_TOKENS
     g = torch.Generator().manual_seed(20 + num_tokens)
     x, w13, s13, w2, s2, weights, ids = _moe_case(num_tokens, 3, g, skip=(0,), hot=7)
-    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids.to(torch.int32), quantize, out=nan_like(x),
-                          config=DecodeConfig() if quantize else None)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids.to(torch.int32), quantize, out=nan_like(x))
     _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
     grouped = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize,
                               config=default_config(num_tokens, 3, EXPERTS, HIDDEN, INTER, x.device))
@@ -271,6 +270,24 @@ def test_moe_decode_rocm_tiles(quantize, monkeypatch):
     x, w13, s13, w2, s2, weights, ids = _moe_case(2, 3, g, hot=5)
     out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, out=nan_like(x))
     _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qdq_rows_equals_the_torch_qdq(dtype):
+    """The W4A4 decode path's one-launch QDQ of x and h: bit-identical to model_ops' qdq_mxfp4
+    (Quark's even scale) on rows of several blocks (a masked tail block: width 3 x 32 under a
+    128-wide launch block), magnitudes from 1e-30 to 1e30, zeros and a block of exact ties."""
+    from model_ops.quant.mxfp4 import qdq_mxfp4
+
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(5, 96, generator=g) * torch.logspace(-30, 30, 5)[:, None]
+    x[1, :32] = 0.0
+    x[2, 32:64] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)
+    x = x.to(dtype)
+    out = mxfp4_moe_decode.qdq_rows(x)
+    assert out.dtype == dtype and torch.equal(out, qdq_mxfp4(x))
+    mxfp4_moe_decode.qdq_rows(x, out=x)  # in place, as the path QDQs h
+    assert torch.equal(x, out)
 
 
 def test_moe_decode_bfloat16():
