@@ -9,7 +9,7 @@ the same run). Every decode-path row is checked against the dequantize reference
 error) at T = 1 and 8. `--sweep` also times DecodeConfig variants (one kernel's launch shape
 changed at a time) at T = 1 and 4, to choose the defaults. The summary line per shape names the
 largest T at which the decode path is faster than the grouped path in both modes (the evidence
-for mxfp4_moe.DECODE_MAX_TOKENS).
+for mxfp4_moe.decode_max_tokens).
 
 Usage: python ci/bench_mxfp4_decode.py [--out DIR] [--sweep]   (about 1 minute on an H100; --sweep
 adds about 2). Writes bench_mxfp4_decode.json / .md to DIR (default $OUT or ./bench_out), prints
@@ -37,7 +37,7 @@ from bench_mxfp4 import (  # noqa: E402
     DEVICE, MOE_SHAPES, REL_TOL, MoeWeights, measure_copy_bandwidth, moe_call_inputs, moe_reference, rel_error, time_graph,
 )
 from kernels_rocm.fused_moe import fused_moe  # noqa: E402
-from kernels_rocm.mxfp4_moe import DECODE_MAX_TOKENS, default_config  # noqa: E402
+from kernels_rocm.mxfp4_moe import decode_max_tokens, default_config  # noqa: E402
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 16)
@@ -57,7 +57,7 @@ def bench(copy_gbps: float, sweep: bool) -> tuple[list[dict], list[dict], list[s
             grouped = default_config(tokens, weights.top_k, weights.num_experts, weights.hidden, weights.inter,
                                      torch.device(DEVICE))
             decode = DecodeConfig()
-            row = {"shape": name, "tokens": tokens, "experts_hit": hit, "mb": num_bytes / 1e6}
+            row = {"shape": name, "tokens": tokens, "inter": weights.inter, "experts_hit": hit, "mb": num_bytes / 1e6}
             for quantize, mode in ((False, "w4a16"), (True, "w4a4")):
                 for label, cfg in (("decode", decode), ("grouped", grouped)):
                     us = time_graph(lambda: weights.run(x, topk_weights, ids, quantize, config=cfg, out=out)) * 1e3
@@ -100,7 +100,7 @@ def summarize(rows: list[dict]) -> list[str]:
                   and r["w4a16_decode_us"] < r["w4a16_grouped_us"] and r["w4a4_decode_us"] < r["w4a4_grouped_us"]]
         one = next(r for r in rows if r["shape"] == shape and r["tokens"] == 1)
         lines.append(f"{shape}: decode path faster than grouped (both modes) at T = {faster or 'none'}; "
-                     f"DECODE_MAX_TOKENS = {DECODE_MAX_TOKENS}; T=1 W4A16 {one['w4a16_grouped_us'] / one['w4a16_decode_us']:.2f}x, "
+                     f"decode_max_tokens = {decode_max_tokens(one['inter'])}; T=1 W4A16 {one['w4a16_grouped_us'] / one['w4a16_decode_us']:.2f}x, "
                      f"W4A4 {one['w4a4_grouped_us'] / one['w4a4_decode_us']:.2f}x the grouped path, "
                      f"{one['bf16_us'] / one['w4a16_decode_us']:.2f}x the bf16 MoE (W4A16)")
     return lines

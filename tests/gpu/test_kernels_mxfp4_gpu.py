@@ -10,7 +10,7 @@ Sizes: Kimi-K2.5 TP8 rank (E384, top-8, H7168, I256) and the full expert width (
 experts to bound memory), the TP8 shared-expert and dense shapes, Kimi MLA 8 heads 512+64 with
 fp8 latent rows in a pool past 4 GiB (block ids >= 65,536) and the CUDA fp8 upcast for every
 byte, the EAGLE3 MHA draft; graph capture and replay with new routing / new scale values; the
-MoE's decode path (T <= DECODE_MAX_TOKENS) against the grouped path forced at the same inputs.
+MoE's decode path (T <= decode_max_tokens(I)) against the grouped path forced at the same inputs.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from kernels_rocm._mxfp4 import e2m1_pair_to_bf16_ptx, e8m0_to_bf16
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache
 from kernels_rocm.mla_decode import e4m3fn_to_f16_ptx, mla_paged_attention
 from kernels_rocm.mxfp4_linear import mxfp4_linear
-from kernels_rocm.mxfp4_moe import DECODE_MAX_TOKENS, fused_moe_mxfp4
+from kernels_rocm.mxfp4_moe import decode_max_tokens, fused_moe_mxfp4
 from kernels_rocm.mxfp4_moe import default_config as moe_default_config
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig
 from kernels_rocm.paged_attention import paged_attention
@@ -216,12 +216,11 @@ def _capture(fn):
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
-@pytest.mark.parametrize("num_tokens", [4, 16], ids=["decode_path", "grouped_path"])
+@pytest.mark.parametrize("num_tokens", [4, 32], ids=["decode_path", "grouped_path"])
 def test_fused_moe_mxfp4_graph_replay_with_new_routing(num_tokens, quantize):
-    assert (num_tokens <= DECODE_MAX_TOKENS) == (num_tokens == 4)
     x, w13, s13, w2, s2, weights, ids = moe_inputs("kimi_tp8", num_tokens, seed=5)
-    config = DecodeConfig() if num_tokens <= DECODE_MAX_TOKENS else None  # W4A4 takes the decode path only when asked
-    graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, config=config))
+    assert (num_tokens <= decode_max_tokens(w2.shape[2] * 2)) == (num_tokens == 4)
+    graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize))
     for seed in (6, 7):
         x2, _, _, _, _, weights2, ids2 = moe_inputs("kimi_tp8", num_tokens, seed=seed)
         x.copy_(x2)
