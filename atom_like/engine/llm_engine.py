@@ -271,7 +271,8 @@ class LLMEngine:
         """A request with a step in flight whose next step reads its token history on the host."""
         for seq in self.scheduler.running:
             p = seq.params
-            if seq.in_flight and (p.has_penalties or seq.num_generated < p.min_tokens or p.prompt_logprobs is not None):
+            if seq.reads_history and seq.in_flight and (p.has_penalties or seq.num_generated < p.min_tokens
+                                                        or p.prompt_logprobs is not None):
                 return True
         return False
 
@@ -283,11 +284,12 @@ class LLMEngine:
                 self.draft_policy.observe(step, len(item.spec_token_ids), result.num_accepted)
         prompt_only = []
         for item, result in zip(batch.seqs, results):
-            item.seq.prompt_logprobs.extend(result.prompt_logprobs)
+            if result.prompt_logprobs:
+                item.seq.prompt_logprobs.extend(result.prompt_logprobs)
             if item.samples and item.seq.params.max_tokens == 0:  # it wanted the prompt forward alone
                 result.new_token_ids, result.logprobs, result.draft_token_ids = [], [], []
                 prompt_only.append(item.seq)
-        touched = self.scheduler.update(batch, results, self._stop_string)
+        touched = self.scheduler.update(batch, results, self._stop_string if self.tokenizer is not None else None)
         for seq in prompt_only:
             self.scheduler.finish(seq, "length")
         return [self._output(seq) for seq in touched]
@@ -304,13 +306,13 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]
-        generated = seq.generated_ids
-        if seq.finished:
+        if seq.status is SequenceStatus.FINISHED:
             del self.requests[seq.request_id]
             self._finished_ids.append(seq.request_id)
-        return RequestOutput(
+        return RequestOutput(  # fresh lists: the caller keeps the output while the sequence grows
             request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            text=request.detokenizer.text if request.detokenizer is not None else "", token_ids=list(generated),
+            text=request.detokenizer.text if request.detokenizer is not None else "",
+            token_ids=seq.token_ids[seq.num_prompt_tokens:],
             finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None else None,
         )

@@ -42,7 +42,7 @@ def row_logits_processors(seqs: list[SeqStep], vocab_size: int, device: torch.de
     each): row j of a sequence scores the token after its first j drafts, so its history is the
     sequence's tokens plus drafts[:j], and it has generated num_generated + j tokens before it.
     None when no sequence asks for any processor."""
-    if not any(s.params.logit_bias or (s.params.min_tokens and s.stop_ids) or s.params.has_penalties for s in seqs):
+    if not any([s.params.logit_bias or (s.params.min_tokens and s.stop_ids) or s.params.has_penalties for s in seqs]):
         return None
     drafts = [s.spec_token_ids for s in seqs]
     starts = list(accumulate([0] + [len(d) + 1 for d in drafts]))[:-1]
@@ -172,8 +172,9 @@ class Sampler:
         """`logits` holds len(seq.spec_token_ids) + 1 rows per sequence; `draft_ids` their drafts,
         flattened (device values: a sequence whose drafts the host has not seen yet has
         placeholders in spec_token_ids, and only their count matters here)."""
-        num_drafts = [len(s.spec_token_ids) for s in seqs]
-        key = (tuple(s.request_id for s in seqs), tuple(num_drafts))
+        # list comprehensions, not generators: a generator costs a Python call per sequence
+        num_drafts = list(map(len, [s.spec_token_ids for s in seqs]))
+        key = (tuple([s.request_id for s in seqs]), tuple(num_drafts))
         if key != self._rows_key:
             self._rows = row_sampling_tensors([s.params for s in seqs], [self._generator(s) for s in seqs],
                                               [n + 1 for n in num_drafts], self.vocab_size, logits.device)
@@ -182,7 +183,7 @@ class Sampler:
         processors = row_logits_processors(seqs, logits.shape[-1], logits.device)
         verified = self.verifier(logits, num_drafts, draft_ids, st, self.generator, processors)
         logprobs = None
-        if any(s.params.logprobs is not None for s in seqs):
+        if any([s.params.logprobs is not None for s in seqs]):
             width = verified.token_ids.shape[1]
             logprobs = token_logprobs(logits[verified.row_index.reshape(-1)], verified.token_ids.reshape(-1).clamp_min(0),
                                       [s.params.logprobs for s in seqs for _ in range(width)])

@@ -101,24 +101,29 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            start = seq.num_computed_tokens + sum(n for n, _ in seq.in_flight)
+            # plain locals and no property chains below: this loop runs once per sequence per step
+            start, num_tokens = seq.num_computed_tokens, len(seq.token_ids)
+            for n, _ in seq.in_flight:
+                start += n
             shift_bound = None
-            if seq.in_flight and seq.num_tokens == start:  # its step in flight samples: a token we have not seen
-                if self._ends_in_flight(seq):
+            if seq.in_flight and num_tokens == start:  # its step in flight samples: a token we have not seen
+                if self._ends_in_flight(seq, num_tokens):
                     i += 1
                     continue
                 shift_bound = seq.in_flight[-1][1]
-                spec, num_new = [-1] * self.num_drafts_in_flight, 1
-                if budget < num_new + len(spec):
+                num_spec, num_new = self.num_drafts_in_flight, 1
+                spec = [-1] * num_spec
+                if budget < num_new + num_spec:
                     break
             else:
-                remaining = seq.num_tokens - start
-                spec = seq.spec_token_ids if remaining == 1 else []
-                num_new = min(remaining, budget - len(spec))
+                remaining = num_tokens - start
+                spec = seq.spec_token_ids[:] if remaining == 1 else []
+                num_spec = len(spec)
+                num_new = min(remaining, budget - num_spec)
                 if num_new < 1:
                     break
-            samples = shift_bound is not None or num_new == seq.num_tokens - start
-            need = self.capacity_needed(start + (shift_bound or 0), num_new, len(spec), samples)
+            samples = shift_bound is not None or num_new == num_tokens - start
+            need = self.capacity_needed(start + (shift_bound or 0), num_new, num_spec, samples)
             while not self.block_manager.ensure_capacity(seq, need):
                 self._preempt(self.running[-1])
                 preempted = True
@@ -126,8 +131,9 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            scheduled.append(ScheduledSeq(seq, num_new, list(spec), samples, start, shift_bound))
-            budget -= num_new + len(spec)
+            scheduled.append(ScheduledSeq(seq, num_new, spec, samples, start, shift_bound))
+            seq.in_flight.append((num_new, num_spec))
+            budget -= num_new + num_spec
             i += 1
 
         # Admitting new work in a step that had to preempt would only thrash the pool.
@@ -145,14 +151,13 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new, [], samples, cached))
+            seq.in_flight.append((num_new, 0))
             budget -= num_new
-        for item in scheduled:
-            item.seq.in_flight.append((item.num_new_tokens, len(item.spec_token_ids)))
         return ScheduledBatch(scheduled)
 
-    def _ends_in_flight(self, seq: Sequence) -> bool:
+    def _ends_in_flight(self, seq: Sequence, num_tokens: int) -> bool:
         """The sampling step in flight ends `seq` whatever it samples (it emits at least one token)."""
-        return seq.num_generated + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+        return num_tokens - seq.num_prompt_tokens + 1 >= seq.params.max_tokens or num_tokens + 1 >= self.max_model_len
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -170,18 +175,21 @@ class Scheduler:
         `stop_string(seq, token)` is told of every token appended, in order, and says whether it
         completed a stop string (the engine's detokenizer): the sequence ends there, so the tokens
         a sequence keeps are decided here and nowhere else."""
-        touched = []
+        touched, verified, caching = [], False, self.block_manager.enable_prefix_caching
         for item, result in zip(batch.seqs, results, strict=True):
             seq = item.seq
             seq.in_flight.popleft()
-            if seq.finished:
+            if item.spec_token_ids:
+                verified = True  # the step verified drafts (SpecStats counts the step even if none is kept)
+            if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted, or ended by the step before, while this one ran
             if item.spec_token_ids:
                 self.spec_stats.observe(len(item.spec_token_ids), result.num_accepted)
             if seq.status is SequenceStatus.RUNNING:
                 computed_before = seq.num_computed_tokens
                 seq.num_computed_tokens += item.num_new_tokens + result.num_accepted
-                self.block_manager.cache_computed_blocks(seq, computed_before)
+                if caching:
+                    self.block_manager.cache_computed_blocks(seq, computed_before)
             # else preempted after this step was launched: its tokens still count (they were drawn
             # from a valid prefix, and a seeded request must not draw them again); its KV is gone
             if not item.samples:
@@ -198,13 +206,14 @@ class Scheduler:
                 if seq.status is SequenceStatus.RUNNING:
                     seq.spec_token_ids = result.draft_token_ids
             touched.append(seq)
-        if any(item.spec_token_ids for item in batch.seqs):
+        if verified:
             self.spec_stats.end_step()
         return touched
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if (token in self.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+        p, num_tokens = seq.params, len(seq.token_ids)
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
-        if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None

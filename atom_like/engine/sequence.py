@@ -20,6 +20,9 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        # the next step reads its token history on the host (penalties, min_tokens, prompt logprobs):
+        # False for most requests, which lets a step skip looking (params do not change once added)
+        self.reads_history = params.has_penalties or params.min_tokens > 0 or params.prompt_logprobs is not None
         self.stop_ids = list(stop_ids or [])  # token ids that end it (what min_tokens holds back)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []

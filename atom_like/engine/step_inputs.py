@@ -4,6 +4,7 @@ arrays on the host, then device tensors: fresh ones (eager) or a decode graph's 
 (see cuda_graph.py)."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,16 +45,16 @@ class SeqStep:
     def of(cls, seq: Sequence, start: int, num_new_tokens: int, spec_token_ids: list[int], samples: bool,
            shift_bound: int | None) -> "SeqStep":
         """`shift_bound` None: the host knows every token; else the step follows one in flight."""
-        c, p = start, seq.params
+        c, p, generated = start, seq.params, len(seq.token_ids) - seq.num_prompt_tokens
         end = c + num_new_tokens
         follows = shift_bound is not None
         return cls(seq.request_id, [-1] * num_new_tokens if follows else seq.token_ids[c:end], spec_token_ids, c,
-                   seq.block_table, samples, None if samples else seq.token_ids[end], p, seq.num_generated,
+                   seq.block_table, samples, None if samples else seq.token_ids[end], p, generated,
                    seq.num_prompt_tokens,
-                   num_prompt_logprobs=len(seq.prompt_logprobs),
-                   stop_ids=seq.stop_ids if seq.num_generated < p.min_tokens else [],
+                   num_prompt_logprobs=len(seq.prompt_logprobs) if seq.prompt_logprobs else 0,
+                   stop_ids=seq.stop_ids if generated < p.min_tokens else [],
                    prompt_ids=seq.token_ids[:seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else [],
-                   output_ids=seq.generated_ids if p.has_penalties else [],
+                   output_ids=seq.token_ids[seq.num_prompt_tokens:] if seq.reads_history and p.has_penalties else [],
                    follows=follows, shift_bound=shift_bound or 0)
 
 
@@ -108,32 +109,52 @@ def host_step(tokens: list[np.ndarray], starts: list[int], tables: list[list[int
               block_size: int, shifts: list[int] | None = None) -> HostStep:
     """Sequence b computes `tokens[b]` at positions starts[b]..; `logits_rows[b]` are offsets within
     it; `shifts[b]` bounds how far the device may still move it (see SeqStep.follows)."""
-    lens = np.array([len(t) for t in tokens], dtype=np.int64)
-    qsl = np.zeros(len(tokens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=qsl[1:])
-    block_tables = np.zeros((len(tokens), max(1, max(len(t) for t in tables))), dtype=np.int64)
-    positions, slots = [], []
-    for b, (start, table) in enumerate(zip(starts, tables)):
-        block_tables[b, :len(table)] = table
-        pos = np.arange(start, start + lens[b], dtype=np.int64)
-        positions.append(pos)
-        slots.append(block_tables[b, pos // block_size] * block_size + pos % block_size)
+    lens = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    qsl = _query_start_loc(lens)
     rows = np.array([qsl[b] + r for b, rs in enumerate(logits_rows) for r in rs], dtype=np.int64)
-    context_lens = np.array(starts, dtype=np.int64) + lens
-    bound = int((context_lens + np.array(shifts or 0, dtype=np.int64)).max())
-    return HostStep(np.concatenate(tokens).astype(np.int64), np.concatenate(positions), np.concatenate(slots), qsl,
-                    context_lens, block_tables, rows, [len(r) for r in logits_rows], bound)
+    return _assemble(np.concatenate(tokens).astype(np.int64), lens, qsl, np.array(starts, dtype=np.int64), tables,
+                     rows, [len(r) for r in logits_rows], shifts or 0, block_size)
 
 
 def batch_host_step(batch: StepBatch, block_size: int) -> HostStep:
-    tokens, starts, tables, logits_rows = [], [], [], []
-    for s in batch.seqs:
-        n = len(s.token_ids)
-        tokens.append(np.array(s.token_ids + s.spec_token_ids, dtype=np.int64))
-        starts.append(s.start)
-        tables.append(s.block_table)
-        logits_rows.append(list(range(n - 1, n + len(s.spec_token_ids))) if s.samples else [])
-    return host_step(tokens, starts, tables, logits_rows, block_size, [s.shift_bound for s in batch.seqs])
+    """host_step for a StepBatch, in bulk: numpy over the batch rather than calls per sequence (the
+    host's time per decode step is what bounds small models at large batches)."""
+    seqs = batch.seqs
+    ids = [s.token_ids + s.spec_token_ids for s in seqs]
+    lens = np.fromiter(map(len, ids), np.int64, len(seqs))
+    qsl = _query_start_loc(lens)
+    # a sampling sequence's logits rows: its last known token and its drafts, the last rows it computes
+    per_seq = np.fromiter(map(len, [s.spec_token_ids for s in seqs]), np.int64, len(seqs)) + 1
+    per_seq *= np.fromiter([s.samples for s in seqs], np.bool_, len(seqs))
+    rows = np.repeat(qsl[1:] - per_seq, per_seq) + _ranks(per_seq)
+    return _assemble(np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(qsl[-1])), lens, qsl,
+                     np.array([s.start for s in seqs], dtype=np.int64), [s.block_table for s in seqs], rows,
+                     per_seq.tolist(), np.array([s.shift_bound for s in seqs], dtype=np.int64), block_size)
+
+
+def _query_start_loc(lens: np.ndarray) -> np.ndarray:
+    qsl = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl[1:])
+    return qsl
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """0..counts[b] - 1 for each b, concatenated."""
+    total = int(counts.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def _assemble(input_ids: np.ndarray, lens: np.ndarray, qsl: np.ndarray, starts: np.ndarray, tables: list[list[int]],
+              rows: np.ndarray, rows_per_seq: list[int], shifts: np.ndarray | int, block_size: int) -> HostStep:
+    table_lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    block_tables = np.zeros((len(tables), max(1, int(table_lens.max()))), dtype=np.int64)
+    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), np.int64, int(table_lens.sum()))
+    positions = np.repeat(starts, lens) + _ranks(lens)
+    slots = block_tables[np.repeat(np.arange(len(lens)), lens), positions // block_size] * block_size + positions % block_size
+    context_lens = starts + lens
+    return HostStep(input_ids, positions, slots, qsl, context_lens, block_tables, rows, rows_per_seq,
+                    int((context_lens + shifts).max()))
 
 
 def upload(step: HostStep, device: torch.device) -> StepInputs:
