@@ -7,22 +7,34 @@ partial UTF-8 character until its last byte arrives.
 """
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 CONTEXT_TOKENS = 6
 
 
+def ids_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, called straight on the Rust tokenizer
+    when that is all transformers' decode would do (a fast tokenizer that overrides no decode
+    method and cleans up no spaces): its Python wrapper costs ~25 calls a decode, and every
+    generated token takes two, so at large batches it was most of a decode step's host work."""
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, PreTrainedTokenizerFast) and not tokenizer.clean_up_tokenization_spaces
+            and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is PreTrainedTokenizerFast._decode):
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], stop: list[str]):
-        self.tokenizer = tokenizer
+        self._decode = ids_decoder(tokenizer)
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.stop = stop
         self.text = ""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int, check_stop: bool = True) -> bool:
         """Append one generated token; True when a stop string completed (text is cut before it).
