@@ -93,7 +93,7 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def _shared_rows(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor | None:
     """The rows without a generator of their own, on the device; None when that is every row."""
-    if all(g is None for g in generators):
+    if all([g is None for g in generators]):  # a list, not a generator: that is a Python call a row
         return None
     return _to(np.array([i for i, g in enumerate(generators) if g is None], dtype=np.int64), device)
 

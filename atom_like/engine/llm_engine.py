@@ -260,10 +260,10 @@ class LLMEngine:
         the same tokens whatever else the server is doing (docs/adaptive_speculation.md)."""
         if self.draft_policy is None:
             return 0
-        k = self.draft_policy.choose(self._num_launched, sum(item.samples for item in batch.seqs))
+        k = self.draft_policy.choose(self._num_launched, sum([item.samples for item in batch.seqs]))
         if not 0 <= k <= self.runner.num_spec_tokens:
             raise ValueError(f"the draft policy chose k={k}, outside 0..{self.runner.num_spec_tokens}")
-        if any(item.seq.params.seed is not None and item.seq.params.temperature > 0 for item in batch.seqs):
+        if any([item.seq.params.seed is not None and item.seq.params.temperature > 0 for item in batch.seqs]):
             return self.runner.num_spec_tokens
         return k
 
@@ -279,11 +279,10 @@ class LLMEngine:
     def _collect(self) -> list[RequestOutput]:
         (batch, step), self._in_flight = self._in_flight, None
         results = self.runner.collect()
-        for item, result in zip(batch.seqs, results):
-            if item.spec_token_ids and not item.seq.finished:  # as the scheduler counts them (SpecStats)
-                self.draft_policy.observe(step, len(item.spec_token_ids), result.num_accepted)
         prompt_only = []
         for item, result in zip(batch.seqs, results):
+            if item.spec_token_ids and item.seq.status is not SequenceStatus.FINISHED:  # as SpecStats counts them
+                self.draft_policy.observe(step, len(item.spec_token_ids), result.num_accepted)
             if result.prompt_logprobs:
                 item.seq.prompt_logprobs.extend(result.prompt_logprobs)
             if item.samples and item.seq.params.max_tokens == 0:  # it wanted the prompt forward alone
@@ -302,7 +301,8 @@ class LLMEngine:
         """Detokenize a token the scheduler appends; True when it completes a stop string (the
         text is cut before it). Stop strings, like stop ids, count only from min_tokens on (as in vLLM)."""
         detokenizer = self.requests[seq.request_id].detokenizer
-        return detokenizer is not None and detokenizer.add(token, check_stop=seq.num_generated >= seq.params.min_tokens)
+        generated = len(seq.token_ids) - seq.num_prompt_tokens
+        return detokenizer is not None and detokenizer.add(token, check_stop=generated >= seq.params.min_tokens)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         request = self.requests[seq.request_id]

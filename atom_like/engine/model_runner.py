@@ -383,7 +383,8 @@ class ModelRunner:
         last verified row and the token after it depend on how many drafts this step accepted,
         which only the device knows."""
         qsl = host.query_start_loc
-        last_rows = torch.tensor([qsl[b] + len(item.token_ids) - 1 for b, item in enumerate(batch.seqs)])
+        known = np.fromiter(map(len, [item.token_ids for item in batch.seqs]), np.int64, len(batch.seqs))
+        last_rows = torch.from_numpy(qsl[:-1] + known - 1)
         next_tokens = torch.tensor([0 if item.samples else item.next_token_id for item in batch.seqs])
         last_rows, next_tokens = last_rows.to(self.device, non_blocking=True), next_tokens.to(self.device, non_blocking=True)
         sampling_t = torch.tensor(sampling, dtype=torch.long).to(self.device, non_blocking=True)
