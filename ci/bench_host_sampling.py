@@ -8,6 +8,8 @@ prompts are in and `--warm` decode steps, `--steps` decode steps are measured th
 - ms: the host's wall time per LLMEngine.step (on a CPU this includes the tiny model's compute;
   on a GPU with overlapped scheduling it is what the host spends while the device runs);
 - calls: Python function calls per step (cProfile), which do not depend on the machine's load;
+- engine: those of them made outside the model's forward (torch.nn.Module calls): what a GPU's
+  decode graphs leave to the host (on a CPU the eager reference attention loops over sequences);
 - torch: torch functions called per launched step (a TorchFunctionMode over ModelRunner.launch);
 - blocking: those of them that, on a GPU, make the host wait for the device in the middle of a
   launch (a Python list or a boolean mask used as an index, a blocking copy to the device, a
@@ -18,6 +20,7 @@ prompts are in and `--warm` decode steps, `--steps` decode steps are measured th
 
     python ci/bench_host_sampling.py                 # CPU or GPU: batches 64 and 128, k = 0, 1, 3 (~2 min CPU)
     python ci/bench_host_sampling.py --smoke         # CPU, batch 8, a few seconds (tests/test_bench_host_sampling.py)
+    python ci/bench_host_sampling.py --tokenizer atom_like/zoo/models/tiny-kimi   # outputs detokenized too
 
 Prints one line per (batch, k, temperature) and writes them as JSON to $OUT/host_sampling.json
 when $OUT is set.
@@ -29,6 +32,7 @@ import cProfile
 import json
 import os
 import pstats
+import shutil
 import sys
 import tempfile
 import time
@@ -48,8 +52,9 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 _READS = {"item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "masked_select", "unique"}
 
 
-def write_configs(folder: Path) -> tuple[str, str]:
-    """config.json of the target and of an EAGLE3 draft shaped like its layers (dummy weights)."""
+def write_configs(folder: Path, tokenizer: str | None = None) -> tuple[str, str]:
+    """config.json of the target and of an EAGLE3 draft shaped like its layers (dummy weights);
+    with the tokenizer files of the folder `tokenizer` next to the target's."""
     head_dim = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
     common = dict(model_type="llama", head_dim=head_dim, max_position_embeddings=4096, rms_norm_eps=1e-5,
                   rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32", bos_token_id=None,
@@ -63,6 +68,8 @@ def write_configs(folder: Path) -> tuple[str, str]:
         (folder / name).mkdir(parents=True, exist_ok=True)
         (folder / name / "config.json").write_text(json.dumps(config))
         paths.append(str(folder / name))
+    for f in ("tokenizer.json", "tokenizer_config.json") if tokenizer else ():
+        shutil.copy(Path(tokenizer, f), paths[0])
     return paths[0], paths[1]
 
 
@@ -109,6 +116,7 @@ def measure(target: str, draft: str, batch: int, k: int, temperature: float, war
         engine.step()
     profile.disable()
     calls = pstats.Stats(profile).total_calls
+    engine_calls = count_engine_calls(engine, steps)
     counter, sampling = Counter(), Counter()
     launch, sample = ModelRunner.launch, Sampler.sample
 
@@ -132,17 +140,44 @@ def measure(target: str, draft: str, batch: int, k: int, temperature: float, war
     plain = time.perf_counter() - start
     engine.shutdown()
     return dict(batch=batch, k=k, temperature=temperature, ms=round(plain / steps * 1e3, 2), calls=round(calls / steps),
+                engine_calls=round(engine_calls / steps),
                 torch=round(counter.ops / steps), blocking=round(sum(counter.blocking.values()) / steps, 2),
                 blocking_kinds={name: round(n / steps, 2) for name, n in sorted(counter.blocking.items())},
                 sampler_torch=round(sampling.ops / steps), sampler_blocking=round(sum(sampling.blocking.values()) / steps, 2))
+
+
+def count_engine_calls(engine: LLMEngine, steps: int) -> int:
+    """Python calls (as cProfile counts them: functions and builtins) of `steps` engine steps made
+    outside any torch.nn.Module call."""
+    forward = torch.nn.Module._call_impl.__code__
+    depth, calls = 0, 0
+
+    def count(frame, event, arg):
+        nonlocal depth, calls
+        if event == "call" and frame.f_code is forward:
+            depth += 1
+        elif event == "return" and frame.f_code is forward:
+            depth -= 1
+        elif depth == 0 and event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        sys.setprofile(None)
+    return calls
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="64,128")
     parser.add_argument("--ks", default="0,1,3", help="drafts verified a step (0: no draft)")
+    parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--warm", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tokenizer", help="a folder whose tokenizer the target gets (its outputs are detokenized)")
     parser.add_argument("--smoke", action="store_true", help="batch 8, k = 0 and 1, 2 steps")
     args = parser.parse_args()
     if args.smoke:
@@ -150,14 +185,14 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        target, draft = write_configs(Path(folder))
+        target, draft = write_configs(Path(folder), args.tokenizer)
         for batch in map(int, args.batches.split(",")):
             for k in map(int, args.ks.split(",")):
-                for temperature in (0.0, 1.0):
+                for temperature in map(float, args.temperatures.split(",")):
                     row = measure(target, draft, batch, k, temperature, args.warm, args.steps)
                     rows.append(row)
                     print(f"batch {batch:4d} k={k} T={temperature:g}: {row['ms']:7.2f} ms/step, "
-                          f"{row['calls']:6d} Python calls/step, "
+                          f"{row['calls']:6d} Python calls/step ({row['engine_calls']} outside the model), "
                           f"{row['torch']:5d} torch calls/launch ({row['sampler_torch']} sampling), "
                           f"{row['blocking']:g} blocking/launch ({row['sampler_blocking']:g} sampling) "
                           f"{row['blocking_kinds'] or ''}", flush=True)

@@ -152,10 +152,8 @@ class DecodeGraphs:
         if (bs, v + 1) not in self.target or (self.captures_draft and k and ((bs, v + 1) not in self.first_pass
                                                                            or k > 1 and (bs, k) not in self.chain)):
             return False
-        # every sequence samples after one known token and v drafts (in bulk: this runs every step)
-        seqs = batch.seqs
-        return (all([s.samples for s in seqs]) and set(map(len, [s.token_ids for s in seqs])) == {1}
-                and set(map(len, [s.spec_token_ids for s in seqs])) == {v})
+        # a list, not a generator: a generator costs a Python call per sequence, every step
+        return all([s.samples and len(s.token_ids) == 1 and len(s.spec_token_ids) == v for s in batch.seqs])
 
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)

@@ -188,7 +188,7 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 computed_before = seq.num_computed_tokens
                 seq.num_computed_tokens += item.num_new_tokens + result.num_accepted
-                if caching:
+                if caching and computed_before < seq.num_prompt_tokens:  # only prompt blocks are cached
                     self.block_manager.cache_computed_blocks(seq, computed_before)
             # else preempted after this step was launched: its tokens still count (they were drawn
             # from a valid prefix, and a seeded request must not draw them again); its KV is gone
