@@ -113,7 +113,7 @@ def host_step(tokens: list[np.ndarray], starts: list[int], tables: list[list[int
     qsl = _query_start_loc(lens)
     rows = np.array([qsl[b] + r for b, rs in enumerate(logits_rows) for r in rs], dtype=np.int64)
     return _assemble(np.concatenate(tokens).astype(np.int64), lens, qsl, np.array(starts, dtype=np.int64), tables,
-                     rows, [len(r) for r in logits_rows], shifts or 0, block_size)
+                     rows, [len(r) for r in logits_rows], np.array(shifts or 0, dtype=np.int64), block_size)
 
 
 def batch_host_step(batch: StepBatch, block_size: int) -> HostStep:
@@ -145,7 +145,7 @@ def _ranks(counts: np.ndarray) -> np.ndarray:
 
 
 def _assemble(input_ids: np.ndarray, lens: np.ndarray, qsl: np.ndarray, starts: np.ndarray, tables: list[list[int]],
-              rows: np.ndarray, rows_per_seq: list[int], shifts: np.ndarray | int, block_size: int) -> HostStep:
+              rows: np.ndarray, rows_per_seq: list[int], shifts: np.ndarray, block_size: int) -> HostStep:
     table_lens = np.fromiter(map(len, tables), np.int64, len(tables))
     block_tables = np.zeros((len(tables), max(1, int(table_lens.max()))), dtype=np.int64)
     block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
