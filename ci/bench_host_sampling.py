@@ -41,11 +41,12 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 from atom_like import LLMEngine, SamplingParams  # noqa: E402
 from atom_like.engine.model_runner import ModelRunner  # noqa: E402
 from atom_like.engine.sampler import Sampler  # noqa: E402
+import bench_adaptive  # noqa: E402
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=1024)
@@ -53,24 +54,12 @@ _READS = {"item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "mask
 
 
 def write_configs(folder: Path, tokenizer: str | None = None) -> tuple[str, str]:
-    """config.json of the target and of an EAGLE3 draft shaped like its layers (dummy weights);
-    with the tokenizer files of the folder `tokenizer` next to the target's."""
-    head_dim = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
-    common = dict(model_type="llama", head_dim=head_dim, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                  rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32", bos_token_id=None,
-                  eos_token_id=None, pad_token_id=None)
-    target = dict(architectures=["LlamaForCausalLM"], **SHAPE, **common)
-    draft = dict(architectures=["LlamaForCausalLMEagle3"], **{**SHAPE, "num_hidden_layers": 1}, **common,
-                 target_hidden_size=SHAPE["hidden_size"], draft_vocab_size=SHAPE["vocab_size"],
-                 eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True})
-    paths = []
-    for name, config in (("target", target), ("draft", draft)):
-        (folder / name).mkdir(parents=True, exist_ok=True)
-        (folder / name / "config.json").write_text(json.dumps(config))
-        paths.append(str(folder / name))
+    """bench_adaptive's target + EAGLE3 draft configs at SHAPE (dummy weights), with the
+    tokenizer files of the folder `tokenizer` next to the target's."""
+    target, draft = bench_adaptive.write_configs(folder, SHAPE, "float32")
     for f in ("tokenizer.json", "tokenizer_config.json") if tokenizer else ():
-        shutil.copy(Path(tokenizer, f), paths[0])
-    return paths[0], paths[1]
+        shutil.copy(Path(tokenizer, f), target)
+    return target, draft
 
 
 def _is_index_hazard(index) -> bool:

@@ -5,7 +5,9 @@ bf16 or fp8), `paged_attention` (MHA/GQA), `mla_decode` (absorbed MLA), `fused_m
 experts), `mxfp4_moe` / `mxfp4_linear` (MXFP4 experts and dense layers, activation QDQ fused),
 `rms_norm` (RMSNorm, optionally fused with the residual add), `rope_kv_cache` (rotary embedding
 fused with the KV write, MHA and MLA), `activation` (SiLU-and-mul), `skinny_gemm` (GEMV-style
-GEMM for M <= 8, measured by ci/bench_roofline.py, not wired into the models), and `aiter_ops` (the
+GEMM for M <= 8, SwiGLU epilogue optional; model_ops.linear.dense takes it for decode-sized
+products on NVIDIA), `mxfp4_moe_decode` (the MXFP4 MoE at a few tokens), `step_advance` (a
+following step's inputs advanced on the device), `_pdl` (programmatic dependent launch), and `aiter_ops` (the
 adapters to aiter's MLA decode and MXFP4 fused MoE on ROCm; torch only, aiter imported lazily).
 Import the module you need; nothing is imported here so that importing the package stays cheap.
 """

@@ -129,26 +129,20 @@ def round_to_e2m1(v):
 
 
 @triton.jit
-def qdq_mxfp4_last_axis(blocks):
-    """MXFP4 quantize-dequantize of fp32 values whose last axis (length 32) is one block, with
-    Quark's "even" scale: amax rounded at fp32 mantissa bit 21, exponent floor(log2) - 2 clamped
-    to [-127, 127]; a block holding NaN/inf becomes NaN."""
-    amax = tl.max(tl.abs(blocks), axis=len(blocks.shape) - 1, keep_dims=True)
+def qdq_mxfp4_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """MXFP4 quantize-dequantize of an fp32 [ROWS, COLS] tile (COLS a multiple of 32), per 32
+    consecutive columns, with Quark's "even" scale: amax rounded at fp32 mantissa bit 21,
+    exponent floor(log2) - 2 clamped to [-127, 127]; a block holding NaN/inf becomes NaN."""
+    blocks = tl.reshape(x, [ROWS, COLS // 32, 32])
+    amax = tl.max(tl.abs(blocks), axis=2)
     bits = amax.to(tl.int32, bitcast=True)
     field = ((bits + (1 << 21)) >> 23) & 0xFF
     exponent = tl.where(field == 255, 127, tl.minimum(tl.maximum(field - 129, -127), 127))
     finite = (bits & 0x7F800000) != 0x7F800000
     scale = tl.where(finite, e8m0_to_fp32(exponent + 127), float("nan"))
     inv_scale = e8m0_to_fp32(127 - exponent)  # 2^-exponent, exact (multiplying by it = dividing)
-    return round_to_e2m1(blocks * inv_scale) * scale
-
-
-@triton.jit
-def qdq_mxfp4_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """`qdq_mxfp4_last_axis` of an fp32 [ROWS, COLS] tile (COLS a multiple of 32), per 32
-    consecutive columns."""
-    blocks = qdq_mxfp4_last_axis(tl.reshape(x, [ROWS, COLS // 32, 32]))
-    return tl.reshape(blocks, [ROWS, COLS])
+    q = round_to_e2m1(blocks * inv_scale[:, :, None]) * scale[:, :, None]
+    return tl.reshape(q, [ROWS, COLS])
 
 
 @triton.jit

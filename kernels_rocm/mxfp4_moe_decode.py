@@ -49,7 +49,7 @@ from kernels_rocm._mxfp4 import (
     e2m1_pair_to_bf16_ptx,
     e2m1_pair_to_fp32,
     e8m0_to_fp32,
-    qdq_mxfp4_last_axis,
+    qdq_mxfp4_blocks,
     silu_mul,
 )
 from kernels_rocm import _pdl as pdl
@@ -66,7 +66,8 @@ class DecodeConfig:
     two rows a lane (four 16-byte gate/up loads a lane and step) and 4 warps give kernel 1 1,024
     programs at T = 1 on Kimi TP8 (8 pairs x 128 row tiles; 5 fit an SM at 96 registers, so
     about 1.5 waves on an H100's 132 SMs), each lane walking H = 7168 in two steps; kernel 2
-    gets 224 programs of 32 rows at T = 1, each with all 8 slots' loads in flight. No spills on sm_90 / gfx942 / gfx950 (4 rows a lane spill on sm_90 in kernel 1)."""
+    gets 224 programs of 32 rows at T = 1, each with all 8 slots' loads in flight. No spills on
+    sm_90 / gfx942 / gfx950 (4 rows a lane spill on sm_90 in kernel 1)."""
 
     gate_up_rows: int = 2
     gate_up_warps: int = 4
@@ -109,10 +110,10 @@ def _qdq_rows_kernel(x_ptr, out_ptr, stride_x: tl.int64, stride_out: tl.int64, w
     width that is a multiple of 32: the masked tail holds whole blocks)."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = cols < width
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    q = tl.reshape(qdq_mxfp4_last_axis(tl.reshape(x, [BLOCK // 32, 32])), [BLOCK])
+    q = qdq_mxfp4_blocks(x, 1, BLOCK)
     tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -178,7 +178,7 @@ class DraftLayout:
         # clamped into range for the gather; `valid` masks what lies past a sequence's drafts
         draft_index = _to(np.minimum(draft_start[:, None] + j[:, :width], max(int(n.sum()) - 1, 0)), device)
         drafts = draft_ids[draft_index] if width else draft_ids.new_zeros(num_seqs, 0)
-        draft_rows = np.repeat(row_start, n) + np.arange(int(n.sum())) - np.repeat(draft_start, n)
+        draft_rows = np.repeat(row_start, n) + segment_ranks(n)
         return cls(row_start, row_index, valid, drafts, draft_index, draft_rows)
 
     def verified(self, emitted: torch.Tensor, accept: torch.Tensor) -> Verified:
@@ -254,6 +254,11 @@ def _rejection_sample(logits: torch.Tensor, layout: DraftLayout, draft_ids: torc
     empty = residual.sum(dim=-1, keepdim=True) <= 0  # only when p == q exactly: then p itself
     residual = torch.where(empty, p, residual)
     return sample_from(residual, st, shared), accept
+
+
+def segment_ranks(counts: np.ndarray) -> np.ndarray:
+    """0..counts[b] - 1 for each b, concatenated (the offsets inside consecutive segments)."""
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:

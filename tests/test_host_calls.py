@@ -4,7 +4,7 @@ A small model at a large batch is bound by the host's time per step, most of it 
 made once per sequence (docs/benchmarks.md, sections 8 and 11). ci/bench_host_sampling.py
 counts the calls of LLMEngine.step made outside the model's forward (what a GPU's decode graphs
 leave to the host), here at batches 8 and 24 with a real tokenizer, so detokenization counts
-too. The calls each sequence adds were ~130 (78 without a tokenizer) and are ~36 since the
+too. The calls each sequence adds were ~130 (78 without a tokenizer) and are ~37 since the
 scheduler, step inputs, outputs and detokenizer work in bulk or without Python wrappers.
 """
 from __future__ import annotations

@@ -102,7 +102,7 @@ class BlockManager:
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq`'s block table to hold `num_tokens` token slots. All or nothing: returns
         False, allocating nothing, when the pool is too short."""
-        needed = -(-num_tokens // self.block_size) - len(seq.block_table)
+        needed = self.blocks_for(num_tokens) - len(seq.block_table)
         if needed <= 0:  # most decode steps: the table already holds them
             return True
         if needed > self.num_free_blocks:

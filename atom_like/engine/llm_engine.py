@@ -301,7 +301,7 @@ class LLMEngine:
         """Detokenize a token the scheduler appends; True when it completes a stop string (the
         text is cut before it). Stop strings, like stop ids, count only from min_tokens on (as in vLLM)."""
         detokenizer = self.requests[seq.request_id].detokenizer
-        generated = len(seq.token_ids) - seq.num_prompt_tokens
+        generated = len(seq.token_ids) - seq.num_prompt_tokens  # num_generated: called once a token, no property call
         return detokenizer is not None and detokenizer.add(token, check_stop=generated >= seq.params.min_tokens)
 
     def _output(self, seq: Sequence) -> RequestOutput:

@@ -43,6 +43,7 @@ from atom_like.models.registry import build_model, target_model_class
 from model_ops import tp
 from model_ops.attention.kv_builder import KVCacheBuilder, PagedKVCacheBuilder
 from model_ops.quant.fp8 import FP8_KV_DTYPES
+from model_ops.sampling import segment_ranks
 from spec_decode.adaptive import StepCosts
 from spec_decode.proposer import ProposeInputs, Proposer
 
@@ -347,8 +348,7 @@ class ModelRunner:
         items = [batch.seqs[i] for i in sampling]
         rows = [step.rows_per_seq[i] for i in sampling]
         counts = np.array(rows, dtype=np.int64) - 1  # each sequence's drafts: its rows but the last
-        starts = np.cumsum(counts + 1) - counts - 1
-        draft_rows = np.repeat(starts, counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        draft_rows = np.repeat(np.cumsum(counts + 1) - counts - 1, counts) + segment_ranks(counts)
         draft_ids = step.input_ids[step.logits_rows[torch.from_numpy(draft_rows).to(self.device, non_blocking=True)] + 1]
         return self.sampler.sample(logits, items, draft_ids)
 

@@ -211,7 +211,7 @@ class Scheduler:
         return touched
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p, num_tokens = seq.params, len(seq.token_ids)
+        p, num_tokens = seq.params, len(seq.token_ids)  # called once a token: no property calls
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
         if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.max_model_len:

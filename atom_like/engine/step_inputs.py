@@ -14,6 +14,7 @@ from atom_like.engine.scheduler import ScheduledBatch
 from atom_like.engine.sequence import Sequence
 from atom_like.sampling_params import SamplingParams
 from model_ops.attention.metadata import AttentionMetadata, slots_for_positions
+from model_ops.sampling import segment_ranks
 
 
 @dataclass
@@ -45,7 +46,7 @@ class SeqStep:
     def of(cls, seq: Sequence, start: int, num_new_tokens: int, spec_token_ids: list[int], samples: bool,
            shift_bound: int | None) -> "SeqStep":
         """`shift_bound` None: the host knows every token; else the step follows one in flight."""
-        c, p, generated = start, seq.params, len(seq.token_ids) - seq.num_prompt_tokens
+        c, p, generated = start, seq.params, len(seq.token_ids) - seq.num_prompt_tokens  # num_generated, without a call
         end = c + num_new_tokens
         follows = shift_bound is not None
         return cls(seq.request_id, [-1] * num_new_tokens if follows else seq.token_ids[c:end], spec_token_ids, c,
@@ -54,7 +55,8 @@ class SeqStep:
                    num_prompt_logprobs=len(seq.prompt_logprobs) if seq.prompt_logprobs else 0,
                    stop_ids=seq.stop_ids if generated < p.min_tokens else [],
                    prompt_ids=seq.token_ids[:seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else [],
-                   output_ids=seq.token_ids[seq.num_prompt_tokens:] if seq.reads_history and p.has_penalties else [],
+                   # reads_history (a plain attribute) first: has_penalties is a property call a sequence
+                   output_ids=seq.generated_ids if seq.reads_history and p.has_penalties else [],
                    follows=follows, shift_bound=shift_bound or 0)
 
 
@@ -126,7 +128,7 @@ def batch_host_step(batch: StepBatch, block_size: int) -> HostStep:
     # a sampling sequence's logits rows: its last known token and its drafts, the last rows it computes
     per_seq = np.fromiter(map(len, [s.spec_token_ids for s in seqs]), np.int64, len(seqs)) + 1
     per_seq *= np.fromiter([s.samples for s in seqs], np.bool_, len(seqs))
-    rows = np.repeat(qsl[1:] - per_seq, per_seq) + _ranks(per_seq)
+    rows = np.repeat(qsl[1:] - per_seq, per_seq) + segment_ranks(per_seq)
     return _assemble(np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(qsl[-1])), lens, qsl,
                      np.array([s.start for s in seqs], dtype=np.int64), [s.block_table for s in seqs], rows,
                      per_seq.tolist(), np.array([s.shift_bound for s in seqs], dtype=np.int64), block_size)
@@ -138,19 +140,13 @@ def _query_start_loc(lens: np.ndarray) -> np.ndarray:
     return qsl
 
 
-def _ranks(counts: np.ndarray) -> np.ndarray:
-    """0..counts[b] - 1 for each b, concatenated."""
-    total = int(counts.sum())
-    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
 def _assemble(input_ids: np.ndarray, lens: np.ndarray, qsl: np.ndarray, starts: np.ndarray, tables: list[list[int]],
               rows: np.ndarray, rows_per_seq: list[int], shifts: np.ndarray, block_size: int) -> HostStep:
     table_lens = np.fromiter(map(len, tables), np.int64, len(tables))
     block_tables = np.zeros((len(tables), max(1, int(table_lens.max()))), dtype=np.int64)
     block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
         itertools.chain.from_iterable(tables), np.int64, int(table_lens.sum()))
-    positions = np.repeat(starts, lens) + _ranks(lens)
+    positions = np.repeat(starts, lens) + segment_ranks(lens)
     slots = block_tables[np.repeat(np.arange(len(lens)), lens), positions // block_size] * block_size + positions % block_size
     context_lens = starts + lens
     return HostStep(input_ids, positions, slots, qsl, context_lens, block_tables, rows, rows_per_seq,
