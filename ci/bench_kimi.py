@@ -58,8 +58,9 @@ from fractions import Fraction
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for path in (REPO, REPO / "ci"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import torch  # noqa: E402
 
@@ -285,9 +286,12 @@ def copy_bandwidth(device: torch.device, num_bytes: int) -> dict:
     return dict(bytes=2 * num_bytes, ms=seconds * 1e3, gbps=2 * num_bytes / seconds / 1e9)
 
 
-def run_window(engine, forced, prompts: list[list[int]], warmup: int, window: int, schedule, tag: str) -> dict:
+def run_window(engine, forced, prompts: list[list[int]], warmup: int, window: int, schedule, tag: str,
+               profile_steps: int = 0) -> dict:
     """Admit `prompts`, run until each has its first token (prefill), then `warmup` + `window`
-    decode steps, timing the window; abort the requests. Returns the window's numbers."""
+    decode steps, timing the window; abort the requests. Returns the window's numbers, with
+    `profile_steps` more steps under a device-only torch.profiler after the window (not timed):
+    kernels a step, GPU idle, the kernels that take the time."""
     from atom_like import SamplingParams
 
     # as many tokens as the context allows: sequences admitted in the first prefill steps decode
@@ -323,6 +327,7 @@ def run_window(engine, forced, prompts: list[list[int]], warmup: int, window: in
     gained = [count[i] - before[i] for i in ids]
     drafts = engine.spec_stats.num_drafts - stats[0]
     accepted = engine.spec_stats.num_accepted_tokens - stats[1]
+    profile = kernel_profile(step, profile_steps) if profile_steps and torch.cuda.is_available() else None
     for i in ids:
         engine.abort_request(i)
     while engine.has_unfinished_requests():
@@ -332,7 +337,24 @@ def run_window(engine, forced, prompts: list[list[int]], warmup: int, window: in
                 prefill_tokens=sum(map(len, prompts)) - (engine.block_manager.num_hit_tokens - hits_before),
                 context=len(prompts[0]) + (before[ids[0]] + count[ids[0]]) / 2, step_ms=seconds / window * 1e3,
                 tokens_per_user=per_user, tokens_per_step=per_user / window,
-                acceptance_length=1 + accepted / drafts if drafts else None)
+                acceptance_length=1 + accepted / drafts if drafts else None, profile=profile)
+
+
+def kernel_profile(step, steps: int) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_roofline import kernel_table
+
+    sync()
+    wall = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    wall = time.perf_counter() - wall
+    table = kernel_table([e for e in prof.events() if e.device_type != DeviceType.CPU], steps, top=30)
+    return dict(steps=steps, wall_ms_per_step=1e3 * wall / steps, **table)
 
 
 def measure_mode(engine, forced, k: int, args, rng: torch.Generator, dims: KimiDims, weights: dict,
@@ -347,7 +369,8 @@ def measure_mode(engine, forced, k: int, args, rng: torch.Generator, dims: KimiD
             continue
         schedule = acceptance_schedule(length, k) if k else None
         first = [torch.randint(0, vocab, (args.input_len,), generator=rng).tolist() for _ in range(batch)]
-        near = run_window(engine, forced, first, args.warmup, args.window, schedule, f"k{k}-b{batch}-a")
+        near = run_window(engine, forced, first, args.warmup, args.window, schedule, f"k{k}-b{batch}-a",
+                          args.profile_steps if batch in args.profile_batches else 0)
         # second window ends at input + output: the prompts grow by what the run would have generated first
         extra = max(1, args.output_len - round((args.warmup + args.window) * near["tokens_per_step"]))
         extended = [p + torch.randint(0, vocab, (extra,), generator=rng).tolist() for p in first]
@@ -393,6 +416,17 @@ def markdown(result: dict) -> str:
                      f"{r['roofline_ms']:.2f} | {100 * r['roofline_fraction']:.0f}% | "
                      f"{c['all_reduces']} AR + {c['all_gathers']} AG | "
                      + " / ".join(f"{v:.3f}" for v in c["ms"].values()) + " |")
+    for r in rows:
+        prof = r["windows"][0].get("profile")
+        if not prof:
+            continue
+        lines += ["", f"Profile, {r['mode']} B={r['batch']} ({prof['steps']} steps at ~{meta['input_len']} context, "
+                      f"device-only torch.profiler): {prof['wall_ms_per_step']:.2f} ms a step under the profiler, GPU "
+                      f"busy {prof['gpu_busy_ms_per_step']:.2f} ms, idle {prof['gpu_idle_fraction']:.1%}, "
+                      f"{prof['kernels_per_step']:.0f} kernels a step", "",
+                  "| kernel | µs / step | calls / step | µs / call |", "|---|---:|---:|---:|"]
+        lines += [f"| `{t['name']}` | {t['us_per_step']:.0f} | {t['calls_per_step']:.0f} | "
+                  f"{t['us_per_step'] / t['calls_per_step']:.1f} |" for t in prof["top_kernels"]]
     if result.get("prefill"):
         p = result["prefill"]
         lines += ["", f"Prefill: {p['tokens']} prompt tokens of {p['batch']} requests in {p['seconds']:.2f} s: "
@@ -448,6 +482,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--window", type=int, default=25, help="timed decode steps (25: the acceptance mix repeats)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--profile-steps", type=int, default=10,
+                   help="decode steps under torch.profiler after the first window (0: none)")
+    p.add_argument("--profile-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                   help="the concurrencies profiled")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch without programmatic dependent launch: each kernel's profiled interval is then its "
+                        "own run time (with PDL it includes its wait for the kernel before)")
     p.add_argument("--copy-bytes", type=int, default=4 << 30)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill chunk budget")
     p.add_argument("--deadline", type=float, default=500.0,
@@ -487,6 +528,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.layers:
         dims = dataclasses.replace(dims, layers=args.layers)
     device = resolve_device(args.device)
+    if args.no_pdl:
+        from kernels_rocm import _pdl
+
+        _pdl.set_enabled(False)
     copy = copy_bandwidth(device, args.copy_bytes if device.type == "cuda" else 64 << 20)
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s", flush=True)
     target, draft = write_configs(tempfile.mkdtemp(prefix="bench_kimi_"), dims)
@@ -502,7 +547,7 @@ def main(argv: list[str] | None = None) -> dict:
                             torch=torch.__version__, date=time.strftime("%Y-%m-%d"), rank=args.rank, tp=args.tp,
                             layers=dims.layers, dims=dataclasses.asdict(dims), copy=copy, input_len=args.input_len,
                             output_len=args.output_len, window=args.window, warmup=args.warmup,
-                            bus_gbps=BUS_GBPS, command=" ".join(sys.argv), draft_gib=0.0),
+                            bus_gbps=BUS_GBPS, pdl=not args.no_pdl, command=" ".join(sys.argv), draft_gib=0.0),
                   rows=[], builds={}, skipped=[])
 
     def out_of_time() -> bool:

@@ -213,12 +213,27 @@ def _profiled_steps(engine, clock: Clock, batch: int, prompt_len: int, steps: in
     return prof, wall
 
 
-def _idle(device_events: list, steps: int) -> dict:
+def idle_stats(device_events: list, steps: int) -> dict:
     spans = [(e.time_range.start, e.time_range.end) for e in device_events]
     span_us = max(s[1] for s in spans) - min(s[0] for s in spans)
     busy_us = _union_us(spans)
     return dict(gpu_span_ms_per_step=1e-3 * span_us / steps, gpu_busy_ms_per_step=1e-3 * busy_us / steps,
                 gpu_idle_fraction=1 - busy_us / span_us)
+
+
+def kernel_table(device_events: list, steps: int, top: int = 15) -> dict:
+    """Idle fraction, kernels and copies a step, and the `top` kernels by device time a step
+    (also used by bench_kimi)."""
+    is_copy = [e.name.lower().startswith(("memcpy", "memset")) for e in device_events]
+    kernels = [e for e, c in zip(device_events, is_copy) if not c]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        by_name[e.name].append(e.time_range.end - e.time_range.start)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return dict(**idle_stats(device_events, steps), kernels_per_step=len(kernels) / steps,
+                copies_per_step=(len(device_events) - len(kernels)) / steps,
+                top_kernels=[dict(name=name[:90], us_per_step=sum(d) / steps, calls_per_step=len(d) / steps)
+                             for name, d in ranked])
 
 
 def profile_engine(engine, clock: Clock, batch: int, prompt_len: int, steps: int) -> dict:
@@ -232,9 +247,6 @@ def profile_engine(engine, clock: Clock, batch: int, prompt_len: int, steps: int
     prof, wall = _profiled_steps(engine, clock, batch, prompt_len, steps, activities)
     device_events = [e for e in prof.events() if e.device_type != DeviceType.CPU]
     host_events = [e for e in prof.events() if e.device_type == DeviceType.CPU]
-    is_copy = [e.name.lower().startswith(("memcpy", "memset")) for e in device_events]
-    copies = [e for e, c in zip(device_events, is_copy) if c]
-    kernels = [e for e, c in zip(device_events, is_copy) if not c]
     syncs = defaultdict(int)
     for e in prof.events():  # runtime calls: cudaStreamSynchronize, cudaDeviceSynchronize, hip*..., and .item()
         if e.name.endswith("Synchronize") or e.name == "aten::_local_scalar_dense":
@@ -243,16 +255,9 @@ def profile_engine(engine, clock: Clock, batch: int, prompt_len: int, steps: int
                   syncs_per_step={k: v / steps for k, v in sorted(syncs.items())},
                   host_ops_per_step=len(host_events) / steps)
     if device_events:
-        by_name: dict[str, list[float]] = defaultdict(list)
-        for e in kernels:
-            by_name[e.name].append(e.time_range.end - e.time_range.start)
-        top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
-        result.update(
-            **_idle(device_events, steps), kernels_per_step=len(kernels) / steps, copies_per_step=len(copies) / steps,
-            top_kernels=[dict(name=name[:90], us_per_step=sum(d) / steps, calls_per_step=len(d) / steps)
-                         for name, d in top])
+        result.update(kernel_table(device_events, steps))
         prof, wall = _profiled_steps(engine, clock, batch, prompt_len, steps, [ProfilerActivity.CUDA])
-        device_only = _idle([e for e in prof.events() if e.device_type != DeviceType.CPU], steps)
+        device_only = idle_stats([e for e in prof.events() if e.device_type != DeviceType.CPU], steps)
         result["device_only"] = dict(wall_ms_per_step=1e3 * wall / steps, **device_only)
     return result
 
