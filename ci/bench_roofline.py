@@ -308,7 +308,11 @@ GEMM_SHAPES = {  # name -> (N, K) of the Llama-3.1-8B projections (weights [N, K
     "qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
-GEMV_BLOCK_N = (2, 4, 8, 16, 32)
+KIMI_TP8_SHAPES = {  # one TP8 rank of Kimi-K2.5: the MLA projections and the router (bench_kimi's decode step)
+    "kimi fused_qkv_a": (2112, 7168), "kimi q_b": (1536, 1536), "kimi o_proj": (7168, 1024),
+    "kimi router": (384, 7168), "kimi lm_head": (20480, 7168),
+}
+GEMV_BLOCK_N = (1, 2, 4, 8, 16, 32)
 
 
 def gemv_sweep(m: int) -> list:
@@ -324,13 +328,14 @@ def _config_name(config) -> str:
     return f"{config.block_n}x{config.num_warps}w"
 
 
-def bench_gemm(clock: Clock, ms: list[int], copy_gbps: float, smoke: bool) -> list[dict]:
+def bench_gemm(clock: Clock, ms: list[int], copy_gbps: float, smoke: bool, kimi: bool = False) -> list[dict]:
     import torch.nn.functional as F
 
+    from kernels_rocm._util import num_compute_units
     from kernels_rocm.skinny_gemm import GemvConfig, default_config, skinny_gemm
 
     dtype = torch.float32 if smoke else torch.bfloat16
-    shapes = {"smoke": (72, 96)} if smoke else GEMM_SHAPES
+    shapes = {"smoke": (72, 96)} if smoke else KIMI_TP8_SHAPES if kimi else GEMM_SHAPES
     g = torch.Generator(device=clock.device).manual_seed(0)
     rows = []
     for name, (n, k) in shapes.items():
@@ -341,7 +346,7 @@ def bench_gemm(clock: Clock, ms: list[int], copy_gbps: float, smoke: bool) -> li
             x = torch.randn(m, k, generator=g, device=clock.device).to(dtype)
             ref = F.linear(x.float(), w.float())
             cublas_us = clock.kernel_us(lambda: F.linear(x, w))
-            default = default_config(m)
+            default = default_config(m, n, num_compute_units(clock.device))
             configs = [GemvConfig(8, 1), GemvConfig(4, 2)] if smoke else gemv_sweep(m)
             sweep = {}
             for config in dict.fromkeys([default, *configs]):  # the default first, once
@@ -438,6 +443,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", default="", help="transformers' batch sizes (default: --batch-sizes)")
     parser.add_argument("--profile-batch-sizes", default="1,16")
     parser.add_argument("--profile-steps", type=int, default=50)
+    parser.add_argument("--gemm-shapes", choices=("llama8b", "kimi"), default="llama8b",
+                        help="the projections swept: Llama-3.1-8B's or a Kimi-K2.5 TP8 rank's (MLA, router, LM head)")
     parser.add_argument("--gemm-m", default="1,2,4,8", help="rows of x (at most skinny_gemm.MAX_M)")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -489,7 +496,8 @@ def main() -> None:
     if "fusions" in parts:
         timed_part("fusions", lambda: bench_fusions(clock, [2, 5] if args.smoke else [1, 16, 64], args.smoke))
     if "gemm" in parts:
-        timed_part("gemm", lambda: bench_gemm(clock, [int(m) for m in args.gemm_m.split(",")], copy_gbps, args.smoke))
+        timed_part("gemm", lambda: bench_gemm(clock, [int(m) for m in args.gemm_m.split(",")], copy_gbps, args.smoke,
+                                              args.gemm_shapes == "kimi"))
     with tempfile.TemporaryDirectory() as folder:
         if {"transformers", "engine", "profile"} & set(parts):
             start = time.perf_counter()

@@ -51,6 +51,7 @@ if "TRITON_PTXAS_PATH" not in os.environ:
 
 import kernels_rocm.fused_moe as fused_moe_mod  # noqa: E402
 import kernels_rocm.mla_decode as mla_mod  # noqa: E402
+import kernels_rocm.moe_routing as routing_mod  # noqa: E402
 import kernels_rocm.mxfp4_linear as mxfp4_linear_mod  # noqa: E402
 import kernels_rocm.mxfp4_moe as mxfp4_moe_mod  # noqa: E402
 import kernels_rocm.mxfp4_moe_decode as mxfp4_moe_decode_mod  # noqa: E402
@@ -215,6 +216,12 @@ CASES: dict[str, Callable[[str], None]] = {
     "skinny GEMM fp32 M3": lambda _: skinny_mod.skinny_gemm(_t(3, 4096, dtype=torch.float32),
                                                             _t(4096, 4096, dtype=torch.float32)),
     "skinny GEMM, bench_roofline's sweep at M 1, 2, 4, 8": _skinny_sweep,
+    "skinny GEMM fp32 out (router) M4 N384 K7168": lambda _: skinny_mod.skinny_gemm(_t(4, 7168), _t(384, 7168),
+                                                                                   out_dtype=torch.float32),
+    "MoE routing Kimi E384 top-8": lambda _: routing_mod.route_topk(_t(4, 384, dtype=torch.float32),
+                                                                    _t(384, dtype=torch.float32), 8, sigmoid=True),
+    "MoE routing DeepSeek-V3 E256 8 groups": lambda _: routing_mod.route_topk(
+        _t(64, 256, dtype=torch.float32), _t(256, dtype=torch.float32), 8, sigmoid=True, n_group=8, topk_group=4),
     "step advance k 3": lambda _: advance(_t(3, 64, dtype=torch.int64), _t(64, dtype=torch.int64),
                                           _t(64, 4, dtype=torch.int64), _t(64, 3, dtype=torch.int64),
                                           *(_t(256, dtype=torch.int64) for _ in range(2)), _t(64, dtype=torch.int32),

@@ -38,6 +38,7 @@ from kernels_rocm._util import (
     check_dim,
     check_same_device,
     check_tensor,
+    num_compute_units,
 )
 
 MAX_M = 8  # rows of x a launch takes; beyond, accumulators (BLOCK_M x BLOCK_N a lane) crowd registers
@@ -57,12 +58,17 @@ class GemvConfig:
     num_warps: int = 4
 
 
-def default_config(m: int) -> GemvConfig:
+def default_config(m: int, n: int = 0, compute_units: int = 0, min_rows: int = 1) -> GemvConfig:
     """The launch shape measured best across the Llama-3.1-8B projections (qkv, o_proj, gate_up,
     down, lm_head) on an H100 (docs/benchmarks.md section 8, sweep of 12-20 configs): 4 rows a
     program, 8 warps at M <= 2 (within 1.6% of each shape's best) and 2 warps from M = 3 (within
-    2.1% at M = 4). Four rows keep >= 1,000 programs on every one of those shapes."""
-    return GemvConfig(block_n=4, num_warps=8 if m <= 2 else 2)
+    2.1% at M = 4). Four rows keep >= 1,000 programs on every one of those shapes; for N outputs
+    so few that 4 rows a program would leave SMs without a program (a MoE router's 384 experts:
+    96 programs on 132 SMs), fewer rows, down to `min_rows` (2 with the SwiGLU epilogue)."""
+    rows = 4
+    while rows > min_rows and triton.cdiv(n, rows) < compute_units:
+        rows //= 2
+    return GemvConfig(block_n=rows, num_warps=8 if m <= 2 else 2)
 
 
 FASTER_THAN_CUBLAS_UP_TO_M = 4  # same sweep: faster than cuBLAS on all five shapes at M 1, 2, 4; slower on all at 8
@@ -122,11 +128,13 @@ def _gemv_kernel(
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
-                swiglu: bool = False) -> torch.Tensor:
+                swiglu: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_M) times w [N, K]^T -> [M, N] in x's dtype, fp32 accumulation, one launch.
     `config` None takes default_config. `swiglu`: w is a merged [gate; up] projection [2I, K] and
     the result is silu(gate) * up [M, I], rounded exactly as the product followed by
-    kernels_rocm.activation.silu_and_mul (one kernel and one [M, 2I] round trip fewer)."""
+    kernels_rocm.activation.silu_and_mul (one kernel and one [M, 2I] round trip fewer).
+    `out_dtype` torch.float32 keeps the fp32 sums unrounded (a MoE router's logits: the product
+    F.linear(x.float(), w.float()) computes, without an fp32 copy of w)."""
     check_tensor("x", x, 2, SUPPORTED_DTYPES)
     check_tensor("w", w, 2, (x.dtype,))
     check_dim("w", w, 1, x.shape[1], "x's inner dim")
@@ -135,16 +143,19 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = No
     n = w.shape[0]
     if m > MAX_M:
         raise ValueError(f"x has {m} rows: skinny_gemm takes at most {MAX_M} (use F.linear)")
+    if out_dtype not in (None, x.dtype, torch.float32) or swiglu and out_dtype not in (None, x.dtype):
+        raise ValueError(f"out_dtype {out_dtype}: skinny_gemm writes x's dtype {x.dtype} or, without swiglu, "
+                         "torch.float32")
     if swiglu and n % 2:
         raise ValueError(f"w has shape {tuple(w.shape)}: swiglu needs an even row count ([gate; up])")
-    config = config or default_config(m)
+    config = config or default_config(m, n, num_compute_units(x.device), 2 if swiglu else 1)
     if config.block_n < 1 or config.block_n & (config.block_n - 1) or swiglu and config.block_n < 2:
         raise ValueError(f"GemvConfig.block_n must be a power of two{' >= 2 with swiglu' if swiglu else ''}, "
                          f"got {config.block_n}")
     if config.num_warps not in NUM_WARPS:
         raise ValueError(f"GemvConfig.num_warps must be one of {NUM_WARPS}, got {config.num_warps}")
     n_out = n // 2 if swiglu else n
-    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
     if m and n_out:
         warp_size = 64 if IS_HIP else 32  # the tile layout needs one lane per LANES entry (CDNA: wave64)
         _gemv_kernel[(triton.cdiv(n, config.block_n),)](

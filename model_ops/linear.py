@@ -76,13 +76,14 @@ def _gemv() -> ModuleType | None:
     return skinny_gemm
 
 
-def _gemv_for(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+def _gemv_for(x: torch.Tensor, weight: torch.Tensor, fp32_out: bool = False) -> ModuleType | None:
     """The GEMV kernel module when it takes this product: decode-sized (at most 4 rows: batch 1-4,
-    or one sequence's verify of 3 drafts), 16-bit, on an NVIDIA GPU, with unit last strides."""
+    or one sequence's verify of 3 drafts; up to its 8 with an fp32 output, where the alternative
+    also copies the weight to fp32), 16-bit, on an NVIDIA GPU, with unit last strides."""
     if (x.dim() == 2 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
             and (kernels := _gemv()) is not None
-            and x.shape[0] <= kernels.FASTER_THAN_CUBLAS_UP_TO_M):
+            and x.shape[0] <= (kernels.MAX_M if fp32_out else kernels.FASTER_THAN_CUBLAS_UP_TO_M)):
         return kernels
     return None
 
@@ -94,6 +95,16 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     if bias is None and (kernels := _gemv_for(x, weight)) is not None:
         return kernels.skinny_gemm(x, weight)
     return F.linear(x, weight, bias)
+
+
+def dense_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T summed and returned in fp32, as F.linear(x.float(), W.float()) computes it (a MoE
+    router's logits, which every reference takes in fp32). Decode-sized 16-bit products on an
+    NVIDIA GPU run the GEMV kernel with an fp32 output: no fp32 copy of W each step (that copy
+    and cuBLAS's fp32 GEMV took ~16 us of a Kimi-K2.5 layer at batch 1 on an H200)."""
+    if (kernels := _gemv_for(x, weight, fp32_out=True)) is not None:
+        return kernels.skinny_gemm(x, weight, out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
 
 
 def dense_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from transformers import PretrainedConfig
 from model_ops import tp
 from model_ops.activation import silu_and_mul
 from model_ops.deferred import weight_device
+from model_ops.linear import dense_fp32
 from model_ops.tp import TPSlice
 
 SCORING_FUNCS = ("sigmoid", "softmax")
@@ -115,6 +116,27 @@ def select_experts(logits: torch.Tensor, bias: torch.Tensor | None,
     return weights * gating.routed_scaling_factor, ids
 
 
+# (fp32 logits [T, E], correction bias [E] or None, gating) -> (weights [T, K] fp32, ids [T, K] int64)
+RoutingFn = Callable[[torch.Tensor, torch.Tensor | None, GatingConfig], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _routing_kernel(logits: torch.Tensor, bias: torch.Tensor | None,
+                    gating: GatingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    from kernels_rocm.moe_routing import route_topk
+
+    return route_topk(logits, bias, gating.top_k, gating.scoring_func == "sigmoid", gating.n_group,
+                      gating.topk_group, "top2_sum" if gating.topk_method == "noaux_tc" else "max",
+                      gating.norm_topk_prob, gating.routed_scaling_factor)
+
+
+def select_routing_impl(device: torch.device) -> RoutingFn:
+    """The one switch for routing: kernels_rocm.moe_routing (one launch instead of ~10) on a GPU
+    where that module exists, else select_experts (the reference, and the CPU path)."""
+    if device.type != "cpu" and importlib.util.find_spec("kernels_rocm.moe_routing") is not None:
+        return _routing_kernel
+    return select_experts
+
+
 class TopkRouter(nn.Module):
     """`mlp.gate`: router weight [E, H] (+ the fp32 correction bias for noaux_tc)."""
 
@@ -127,10 +149,11 @@ class TopkRouter(nn.Module):
             nn.Parameter(torch.empty(gating.num_experts, dtype=torch.float32), requires_grad=False)
             if gating.topk_method == "noaux_tc" else None
         )
+        self.route = select_routing_impl(torch.get_default_device())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())  # fp32 logits, as every reference does
-        return select_experts(logits, self.e_score_correction_bias, self.gating)
+        logits = dense_fp32(x, self.weight)  # fp32 logits, as every reference does
+        return self.route(logits, self.e_score_correction_bias, self.gating)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -68,6 +68,18 @@ def test_swiglu_epilogue_equals_gemm_then_silu_and_mul(dtype, m, config):
     torch.testing.assert_close(fused.float(), F.silu(gate) * up, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_fp32_output_of_bf16_operands(m):
+    """out_dtype fp32 (the router's logits): the sums unrounded, i.e. F.linear(x.float(), w.float()) up to
+    summation order, where a bf16 output would be off by up to half a bf16 ulp. block_n 1: one row a program."""
+    g = torch.Generator().manual_seed(11 + m)
+    x, w = torch.randn(m, 389, generator=g).bfloat16(), torch.randn(37, 389, generator=g).bfloat16()
+    out = skinny_gemm(x, w, GemvConfig(block_n=1, num_warps=1), out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x.float(), w.float()), atol=1e-4, rtol=1e-5)
+    assert not torch.equal(out, out.bfloat16().float())  # really unrounded
+
+
 def test_empty_shapes():
     x = torch.randn(2, 0)
     assert torch.equal(skinny_gemm(x, torch.randn(5, 0)), torch.zeros(2, 5))
@@ -95,6 +107,10 @@ def test_rejects_bad_inputs():
         skinny_gemm(torch.randn(2, 8), torch.randn(4, 8, device="meta"))
     with pytest.raises(ValueError, match="block_n must be a power of two, got 6"):
         skinny_gemm(torch.randn(2, 8), torch.randn(4, 8), GemvConfig(block_n=6))
+    with pytest.raises(ValueError, match="out_dtype torch.float16: skinny_gemm writes"):
+        skinny_gemm(torch.randn(2, 8), torch.randn(4, 8), out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="out_dtype torch.float32: skinny_gemm writes"):
+        skinny_gemm(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), swiglu=True, out_dtype=torch.float32)
     with pytest.raises(ValueError, match=r"swiglu needs an even row count"):
         skinny_gemm(torch.randn(2, 8), torch.randn(5, 8), swiglu=True)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 2 with swiglu, got 1"):

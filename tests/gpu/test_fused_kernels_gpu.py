@@ -147,3 +147,28 @@ def test_greedy_tokens_is_argmax_with_its_ties():
         logits = torch.randint(-40, 40, (rows, vocab), generator=gen, device="cuda").float()
         assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1)), (rows, vocab)
         assert torch.equal(greedy_tokens(logits.bfloat16()), logits.bfloat16().argmax(dim=-1)), (rows, vocab)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 300])
+@pytest.mark.parametrize("grouped", [False, True], ids=["kimi", "deepseek_v3"])
+def test_router_kernels_match_reference(tokens, grouped):
+    """The MoE router as the GPU runs it (fp32 logits from the GEMV kernel at <= 8 rows, the one-launch
+    routing kernel) against the reference (F.linear in fp32, select_experts): the same experts for every
+    token, weights within fp32 rounding; bf16 router weights as released, Kimi / DeepSeek-V3 routing."""
+    from model_ops.linear import dense_fp32
+    from model_ops.moe import GatingConfig, _routing_kernel, select_experts
+
+    experts, groups = (256, (8, 4)) if grouped else (384, (1, 1))
+    gating = GatingConfig(experts, 8, "sigmoid", "noaux_tc", *groups, True, 2.827)
+    g = torch.Generator(device=DEVICE).manual_seed(tokens)
+    w = (torch.randn(experts, 7168, generator=g, device=DEVICE) * 0.02).to(DT)
+    bias = torch.randn(experts, generator=g, device=DEVICE) * 0.01
+    x = torch.randn(tokens, 7168, generator=g, device=DEVICE).to(DT)
+    ref_logits = F.linear(x.float(), w.float())
+    logits = dense_fp32(x, w)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-4)
+    weights, ids = _routing_kernel(logits, bias, gating)
+    ref_weights, ref_ids = select_experts(logits, bias, gating)  # same logits: only the routing differs
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-6, atol=1e-7)
