@@ -62,7 +62,9 @@ class DecodeConfig:
     two; gate_up_rows counts intermediate rows, each a gate and an up row), `*_warps` warps a
     program. Lanes go along K first (up to the row's vectors), the rest over row groups.
 
-    Defaults reasoned, not yet measured (ci/bench_mxfp4_decode.py --sweep times alternatives):
+    Defaults reasoned, then swept (ci/bench_mxfp4_decode.py --sweep; H200, 2026-11-23, section 6 of
+    docs/benchmarks.md: no variant beat them by 3% at T = 1 on Kimi TP8; 4 rows and 2 warps in kernel 1
+    gained 5-9% at T = 4 and at full width but spill 4 registers on sm_90, so it is not taken):
     two rows a lane (four 16-byte gate/up loads a lane and step) and 4 warps give kernel 1 1,024
     programs at T = 1 on Kimi TP8 (8 pairs x 128 row tiles; 5 fit an SM at 96 registers, so
     about 1.5 waves on an H100's 132 SMs), each lane walking H = 7168 in two steps; kernel 2

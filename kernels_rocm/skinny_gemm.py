@@ -64,11 +64,18 @@ def default_config(m: int, n: int = 0, compute_units: int = 0, min_rows: int = 1
     program, 8 warps at M <= 2 (within 1.6% of each shape's best) and 2 warps from M = 3 (within
     2.1% at M = 4). Four rows keep >= 1,000 programs on every one of those shapes; for N outputs
     so few that 4 rows a program would leave SMs without a program (a MoE router's 384 experts:
-    96 programs on 132 SMs), fewer rows, down to `min_rows` (2 with the SwiGLU epilogue)."""
+    96 programs on 132 SMs), fewer rows, down to `min_rows` (2 with the SwiGLU epilogue).
+    Kimi-K2.5's TP8 projections (H200 sweep, section 10) have fewer programs at M = 4 and want
+    more warps there: 4 from 3 programs an SM (fused q_a/kv_a, 528: 16.4 us against 20.4 with 2),
+    8 below (q_b 384: 7.5 against 8.6; the router: 9.0 against 13.9); the 8B shapes keep 2."""
     rows = 4
     while rows > min_rows and triton.cdiv(n, rows) < compute_units:
         rows //= 2
-    return GemvConfig(block_n=rows, num_warps=8 if m <= 2 else 2)
+    if m <= 2:
+        return GemvConfig(block_n=rows, num_warps=8)
+    programs = triton.cdiv(n, rows)
+    warps = 2 if programs >= 6 * compute_units else 4 if programs >= 3 * compute_units else 8
+    return GemvConfig(block_n=rows, num_warps=warps)
 
 
 FASTER_THAN_CUBLAS_UP_TO_M = 4  # same sweep: faster than cuBLAS on all five shapes at M 1, 2, 4; slower on all at 8
