@@ -33,7 +33,7 @@ window of 25 steps reproduces it; the measured value is reported.
 
 Roofline of a step = bytes this rank must read / the measured copy bandwidth: every weight once
 (routed experts only those hit: with random routing, E (1 - (1 - top_k/E)^T) distinct experts for T
-tokens), the KV of every sequence at the window's mean context, and with speculation the draft's
+tokens; the shared expert always, also when fused into the routed experts' tensors), the KV of every sequence at the window's mean context, and with speculation the draft's
 weights once per draft pass (k passes a step) and its KV. Random routing touches more experts than
 real routing does, so the roofline and the measured time are both pessimistic alike.
 
@@ -201,6 +201,7 @@ def expected_experts_hit(num_experts: int, top_k: int, tokens: int) -> float:
 
 def rank_weights(runner) -> dict:
     """Bytes of this rank's weights by what a step reads of them."""
+    from atom_like.models.deepseek_v2 import DeepseekV2MoE
     from model_ops.moe import FusedExperts
     from model_ops.quant.mxfp4_layers import MXFP4Experts
 
@@ -211,7 +212,10 @@ def rank_weights(runner) -> dict:
     model = runner.model
     routed = [m for m in model.modules() if isinstance(m, (MXFP4Experts, FusedExperts))]
     embed = [m for name, m in model.named_modules() if name.endswith("embed_tokens")]
-    out = dict(all=total([model]), routed=total(routed), embed=total(embed), moe_layers=len(routed))
+    # a shared expert fused into the routed experts (their last slot) is read every step like a dense layer
+    fused_shared = sum(total([m.experts]) // m.experts.num_experts for m in model.modules()
+                       if isinstance(m, DeepseekV2MoE) and m.shared_slot is not None)
+    out = dict(all=total([model]), routed=total(routed) - fused_shared, embed=total(embed), moe_layers=len(routed))
     out["dense"] = out["all"] - out["routed"] - out["embed"]  # read whole every step
     if runner.proposer is not None:
         draft = runner.proposer.draft

@@ -20,6 +20,7 @@ import importlib.util
 import re
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -260,3 +261,38 @@ def expert_weight_rule(name: str) -> tuple[str, str | None] | None:
     if m := _STACKED.match(name):
         return f"{m[1]}.{'w13' if m[2] == 'gate_up_proj' else 'w2'}", None
     return None
+
+
+# ----------------------------------------------------------------------------- shared expert fusion
+# SGLang's shared-experts fusion: a shared expert with exactly the routed experts' format is
+# stored as one more routed expert (slot E of w13 / w2 and their scales) and every token gets one
+# more routing slot for it, so one fused-MoE launch pair runs both (the separate shared MLP is
+# two GEMM launches, an activation and an add per layer, each latency-bound at decode).
+
+
+@runtime_checkable
+class SharedExpertHost(Protocol):
+    """A MoE block whose shared expert may run as routed expert E. The quantization loader decides
+    (atom_like.loader.quark), from the config alone: it fuses when the routed experts and every
+    layer of the shared expert have one format."""
+
+    def fusable_shared_expert(self) -> tuple[nn.Module, list[nn.Module]] | None:
+        """(the routed experts, the shared expert's layers) while the shared expert has a routed
+        expert's shape (one expert of the same intermediate size, no bias), so that only the
+        formats remain to compare; None otherwise (or once fused)."""
+
+    def fuse_shared_expert(self) -> None:
+        """Replace the routed experts by E + 1 of the same kind (on the meta device while weights
+        are deferred) and drop the separate shared expert; from then on forward routes every
+        token to slot E too (`append_shared_expert`) and the loader fills slot E from the
+        checkpoint's shared-expert tensors."""
+
+
+def append_shared_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused shared expert's routing slot: [T, K] -> [T, K + 1], every token also to expert
+    `slot` with weight exactly 1.0 (the shared expert is neither renormalised nor scaled by
+    routed_scaling_factor). A plain torch op for now; the routing kernel may write it instead."""
+    tokens = topk_ids.shape[0]
+    return (torch.cat([topk_weights, topk_weights.new_ones(tokens, 1)], dim=1),
+            torch.cat([topk_ids, topk_ids.new_full((tokens, 1), slot)], dim=1))

@@ -258,6 +258,29 @@ def pretend_mi355(monkeypatch):
     return emu
 
 
+@pytest.mark.parametrize("moe_backend, fused", [("auto", False), ("aiter", False), ("triton", True)])
+def test_aiter_experts_keep_the_shared_expert_separate(pretend_mi355, moe_backend, fused):
+    """A released MXFP4 config whose shared expert could be fused: aiter's routed experts (what
+    auto picks on an MI355X with aiter) keep it a separate MLP, the adapter is not built for
+    it; the Triton experts fuse it. Skeletons only."""
+    from conftest import TINY_DEEPSEEK
+    from transformers import DeepseekV3Config
+
+    from atom_like.loader.quark import QuarkConfig, quantize_model
+    from atom_like.models.deepseek_v2 import DeepseekV2MoE, DeepseekV3ForCausalLM
+    from atom_like.zoo.quark_mxfp4 import EXCLUDES, quantization_config
+    from model_ops.deferred import deferred_weights
+
+    config = DeepseekV3Config(**{**TINY_DEEPSEEK, "hidden_size": 256, "moe_intermediate_size": 256})  # aiter's grain
+    with deferred_weights():
+        model = DeepseekV3ForCausalLM(config)
+        quantize_model(model, QuarkConfig(quantization_config(EXCLUDES["released"])), model.weight_map(),
+                       moe_backend=moe_backend)
+    blocks = [m for m in model.modules() if isinstance(m, DeepseekV2MoE)]
+    assert {m.experts.backend for m in blocks} == {"triton" if fused else "aiter"}
+    assert all((m.shared_slot is not None, m.shared_experts is None) == (fused, fused) for m in blocks)
+
+
 def test_engine_on_emulated_aiter(make_deepseek, tmp_path, pretend_mi355):
     """A tiny DeepSeek-V3 MXFP4 checkpoint in bf16. aiter's MLA for decode (1 row) and verify with
     3 drafts (4 rows): greedy tokens identical to the torch backend's (oracle drafts: lossless).

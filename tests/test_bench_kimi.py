@@ -84,10 +84,16 @@ def test_a_simulated_rank_holds_its_slice_and_runs(configs):
     assert attn.kv_b_proj.weight.shape == (d.heads // N * (d.nope + d.v_head), d.kv_lora)
     assert attn.fused_qkv_a_proj_with_mqa.weight.shape == (d.q_lora + d.kv_lora + d.rope, d.hidden)  # replicated
     inter = d.moe_intermediate // N
-    assert moe.experts.w13.shape == (d.experts, 2 * inter, d.hidden // 2)  # packed FP4: two a byte
-    assert moe.experts.w2.shape == (d.experts, d.hidden, inter // 2)
-    assert moe.experts.w2_scale.shape == (d.experts, d.hidden, inter // 32)
-    assert moe.shared_experts.gate_up_proj.weight.shape == (2 * inter, d.hidden // 2)
+    # the MXFP4 shared expert is fused into the routed experts as one more expert (index d.experts)
+    assert moe.shared_experts is None and moe.shared_slot == d.experts
+    assert moe.experts.w13.shape == (d.experts + 1, 2 * inter, d.hidden // 2)  # packed FP4: two a byte
+    assert moe.experts.w2.shape == (d.experts + 1, d.hidden, inter // 2)
+    assert moe.experts.w2_scale.shape == (d.experts + 1, d.hidden, inter // 32)
+    # the roofline's routed bytes are the routed experts' only: the fused shared slot is read every step
+    per_expert = sum(t[0].numel() for t in (moe.experts.w13, moe.experts.w13_scale, moe.experts.w2,
+                                            moe.experts.w2_scale))  # uint8: a byte an element
+    weights = bench_kimi.rank_weights(engine.runner)
+    assert weights["routed"] == weights["moe_layers"] * d.experts * per_expert
     assert moe.gate.weight.shape == (d.experts, d.hidden)  # the router is replicated
     dense = model.model.layers[0].mlp
     assert dense.down_proj.weight.shape == (d.hidden, d.dense_intermediate // N // 2)

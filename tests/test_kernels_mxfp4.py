@@ -189,6 +189,30 @@ def test_moe_matches_reference(num_tokens, quantize):
     _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
 
 
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+def test_moe_with_a_fused_shared_expert_slot(path):
+    """Kimi's routing with its shared expert fused (model_ops.moe.append_shared_expert): 8 routed
+    slots plus expert E = 8 at weight 1.0 on every token, 9 slots (the decode path's unrolled
+    TOP_K), W4A4, against the reference and against routed + shared run separately."""
+    from model_ops.moe import append_shared_expert
+
+    g = torch.Generator().manual_seed(15)
+    num_tokens, routed = 3, EXPERTS
+    w13, s13 = _random_mxfp4(routed + 1, 2 * INTER, HIDDEN, g=g, low=120, high=126)
+    w2, s2 = _random_mxfp4(routed + 1, HIDDEN, INTER, g=g, low=120, high=126)
+    x = torch.randn(num_tokens, HIDDEN, generator=g)
+    ids = torch.stack([torch.randperm(routed, generator=g) for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, routed, generator=g) * 2.5
+    weights, ids = append_shared_expert(weights, ids, routed)
+    config = DecodeConfig() if path == "decode" else default_config(num_tokens, routed + 1, routed + 1, HIDDEN,
+                                                                    INTER, x.device)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, out=nan_like(x), config=config)
+    _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, True))
+    alone = [fused_moe_mxfp4(x, w13, s13, w2, s2, weights[:, cols].contiguous(), ids[:, cols].contiguous(), True,
+                             config=config) for cols in (slice(0, routed), slice(routed, None))]
+    _close(out, alone[0] + alone[1])
+
+
 @pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
 def test_moe_split_k_and_tiles(quantize):
     """The split-K path (partials summed by the epilogue kernel) and other tiles, int64 ids."""

@@ -58,7 +58,8 @@ CASES = {
     "scale shape": (lambda t: t.update({f"{EXPERT}.weight_scale": t[f"{EXPERT}.weight_scale"][:, :0]}), None,
                     rf"'{EXPERT}.weight_scale' has shape \(64, 0\) but .* expects \(64, 1\)"),
     "missing scale": (lambda t: _pop(t, f"{SHARED}.weight_scale"), None,
-                      r"lacks: \['model.layers.2.mlp.shared_experts.gate_up_proj.weight_scale \(shard 1\)'\]"),
+                      # the shared expert is fused into the routed experts as expert 8 (of 8 routed)
+                      r"lacks: \['model.layers.2.mlp.experts.w13_scale \(shard 8.up_proj\)'\]"),
     "missing expert scale": (lambda t: _pop(t, f"{EXPERT}.weight_scale"), None,
                              r"model.layers.1.mlp.experts.w2_scale \(shard 3.down_proj\)"),
     "nan scale": (_nan_scale, None, rf"'{EXPERT}.weight_scale' holds the E8M0 NaN byte 255 at index \(5, 0\)"),

@@ -22,7 +22,9 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP
 
 from atom_like import LLMEngine, SamplingParams
+from atom_like.models.deepseek_v2 import DeepseekV2MoE
 from atom_like.zoo.quark_mxfp4 import convert
+from model_ops.linear import MergedColumnParallelLinear
 from model_ops.quant.mxfp4 import dequantize_mxfp4
 from model_ops.quant.mxfp4_layers import MXFP4Experts, MXFP4Linear
 
@@ -118,9 +120,17 @@ def test_greedy_matches_transformers_with_quark_qdq(converted, arch, style):
     experts = [m for m in layers.values() if isinstance(m, MXFP4Experts)]
     linears = [n for n, m in layers.items() if isinstance(m, MXFP4Linear)]
     assert len(experts) == 2 and all(m.quantize_activations for m in experts)
-    # released: the dense layer-0 MLP and the shared experts are MXFP4 too; MLA never is
-    assert len(linears) == (6 if style == "released" else 0), linears
+    # released: the dense layer-0 MLP and the shared experts are MXFP4 too, the shared expert fused
+    # into the routed experts as expert E; experts_only: it stays a separate float MLP; MLA never is
+    assert len(linears) == (2 if style == "released" else 0), linears
     assert all("self_attn" not in n for n in linears)
+    moes = [m for m in layers.values() if isinstance(m, DeepseekV2MoE)]
+    num_routed = moes[0].gate.gating.num_experts
+    fused = style == "released"
+    assert [(m.shared_slot, m.experts.num_experts, m.shared_experts is None) for m in moes] == \
+        [(num_routed if fused else None, num_routed + fused, fused)] * 2
+    if not fused:
+        assert all(isinstance(m.shared_experts.gate_up_proj, MergedColumnParallelLinear) for m in moes)
     assert experts[0].w13.dtype == torch.uint8  # packed in memory: 4.25 bits a weight
     hf = reference(src, dst, arch, quantize_inputs=True)
     for prompt, out in zip(PROMPTS, engine_greedy(engine)):
@@ -148,3 +158,28 @@ def test_eagle3_on_mxfp4_is_lossless(converted, make_eagle3_llama, make_eagle3_m
     spec = LLMEngine(dst, max_model_len=128, method="eagle3", draft_model=path, num_speculative_tokens=3)
     assert engine_greedy(spec) == plain
     assert spec.scheduler.spec_stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("arch", ["v3", "kimi"])
+def test_fused_shared_expert_is_the_separate_one(converted, arch):
+    """--fuse-shared-experts (default) against --no-fuse-shared-experts on one released
+    checkpoint: each MoE layer's output equal within fp32 rounding (rtol 1e-6, atol 1e-6; the
+    reference sums the slots in another order), greedy tokens identical, and the fused layer
+    really runs the shared expert (its slot changed, the output moves)."""
+    _, dst = converted(arch, "released")
+    fused, separate = LLMEngine(dst, max_model_len=128), LLMEngine(dst, max_model_len=128, fuse_shared_experts=False)
+    others = dict(separate.runner.model.named_modules())
+    pairs = [(a, others[n]) for n, a in fused.runner.model.named_modules() if isinstance(a, DeepseekV2MoE)]
+    assert len(pairs) == 2 and all(b.shared_slot is None and b.shared_experts is not None for _, b in pairs)
+    x = torch.randn(7, pairs[0][0].gate.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for a, b in pairs:
+            slot = a.shared_slot
+            assert torch.equal(a.experts.w13[slot], b.shared_experts.gate_up_proj.weight)
+            assert torch.equal(a.experts.w2_scale[slot], b.shared_experts.down_proj.weight_scale)
+            out = a(x)
+            torch.testing.assert_close(out, b(x), rtol=1e-6, atol=1e-6)
+            a.experts.w2.data[slot] ^= 0x11  # another shared down_proj: the fused output must follow it
+            assert not torch.allclose(a(x), out, rtol=1e-3, atol=1e-3)
+            a.experts.w2.data[slot] ^= 0x11
+    assert engine_greedy(fused) == engine_greedy(separate)

@@ -165,6 +165,7 @@ def test_kimi_config_may_name_modules_in_any_layout():
     from transformers import DeepseekV3Config
 
     from atom_like.loader.quark import quantize_model
+    from atom_like.loader.weights import _map_name
     from atom_like.models.kimi_k25 import KimiK25ForConditionalGeneration
     from model_ops.deferred import deferred_weights
     from model_ops.linear import MergedLinear
@@ -179,9 +180,15 @@ def test_kimi_config_may_name_modules_in_any_layout():
         model = KimiK25ForConditionalGeneration(config)
         quantize_model(model, config_with(exclude), model.weight_map())
     layers = model.language_model.model.layers
-    packed = [layers[i].mlp.shared_experts.gate_up_proj for i in (1, 2, 3)]
-    assert [isinstance(m, MXFP4MergedLinear) for m in packed] == [False, False, True]
-    assert all(isinstance(m, MergedLinear) for m in packed[:2])
+    packed = [layers[i].mlp.shared_experts.gate_up_proj for i in (1, 2)]
+    assert not any(isinstance(m, MXFP4MergedLinear) for m in packed)
+    assert all(isinstance(m, MergedLinear) for m in packed)
+    # layer 3's shared expert is MXFP4 like its routed experts: fused into them as expert E
+    assert layers[3].mlp.shared_experts is None and layers[3].mlp.shared_slot == config.n_routed_experts
+    wm, name = model.weight_map(), "language_model.model.layers.{}.mlp.shared_experts.down_proj.weight"
+    slot = f"{config.n_routed_experts}.down_proj"
+    assert _map_name(name.format(3), wm) == ("language_model.model.layers.3.mlp.experts.w2", slot)
+    assert _map_name(name.format(1), wm) == (name.format(1), None)  # its own down_proj, per layer
     with deferred_weights():
         model = KimiK25ForConditionalGeneration(config)
         blocks = [e.replace("model.language_model.layers.", "language_model.model.blocks.") for e in exclude]

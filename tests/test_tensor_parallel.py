@@ -176,10 +176,12 @@ def mxfp4_kimi(make_deepseek, tmp_path_factory):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_mxfp4_kimi_tp2(mxfp4_kimi, kv_cache_dtype):
     """Packed weights split on block boundaries (64 intermediate rows: one 32-value block a rank),
-    fp8 KV with the checkpoint's per-tensor scales on every rank."""
+    the shared expert fused into the routed experts and cut like one of them, fp8 KV with the
+    checkpoint's per-tensor scales on every rank."""
     path = mxfp4_kimi(64)
     one = LLMEngine(path, kv_cache_dtype=kv_cache_dtype, **COMMON)
-    assert sum(isinstance(m, MXFP4Experts) for m in one.runner.model.modules()) == 2
+    experts = [m for m in one.runner.model.modules() if isinstance(m, MXFP4Experts)]
+    assert len(experts) == 2 and all(m.num_experts == 8 + 1 for m in experts)  # 8 routed + the shared one
     engine = LLMEngine(path, tensor_parallel_size=2, kv_cache_dtype=kv_cache_dtype, **COMMON)
     short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)  # the CPU reference MoE is slow
     assert generate(engine, PROMPTS[:2], short) == generate(one, PROMPTS[:2], short)

@@ -66,8 +66,9 @@ def test_released_format_and_kv_scales(built):
 def test_shipped_drafts_run_on_it_losslessly(built, draft):
     plain = LLMEngine(built, max_model_len=256, kv_cache_dtype="fp8")
     modules = list(plain.runner.model.modules())
-    assert sum(isinstance(m, MXFP4Experts) for m in modules) == 4
-    assert sum(isinstance(m, MXFP4Linear) for m in modules) == 10  # dense gate_up + down, 4 shared x 2
+    experts = [m for m in modules if isinstance(m, MXFP4Experts)]
+    assert len(experts) == 4 and all(m.num_experts == 8 + 1 for m in experts)  # the shared expert fused in
+    assert sum(isinstance(m, MXFP4Linear) for m in modules) == 2  # dense gate_up + down
     assert plain.runner.kv_caches["kv_scale"].flatten().tolist() != [1.0] * 5  # the checkpoint's scales
     expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
     spec = LLMEngine(built, max_model_len=256, kv_cache_dtype="fp8", method="eagle3", draft_model=str(resolve(draft)),

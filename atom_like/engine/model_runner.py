@@ -100,7 +100,8 @@ class ModelRunner:
             torch.cuda.empty_cache()
         # GPU memory other live objects of this process hold (another engine, a reference model)
         self.baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        quantize = checkpoint_quantizer(hf_config, args.mxfp4_activations, args.moe_backend)
+        quantize = checkpoint_quantizer(hf_config, args.mxfp4_activations, args.moe_backend,
+                                        args.fuse_shared_experts)
         self.model: CausalLM = build_model(target_model_class(hf_config), text_config(hf_config), dtype, device,
                                            quantize=quantize)
         weight_map = self.model.weight_map()

@@ -134,7 +134,7 @@ def _models(args: EngineArgs, hf_config: PretrainedConfig):
     """(what, path, config, class, quantize) of each model a rank builds, as ModelRunner builds them
     (the MoE backend left to auto: the meta device is no platform; the ranks check --moe-backend)."""
     yield ("model", args.model, text_config(hf_config), target_model_class(hf_config),
-           checkpoint_quantizer(hf_config, args.mxfp4_activations))
+           checkpoint_quantizer(hf_config, args.mxfp4_activations, fuse_shared_experts=args.fuse_shared_experts))
     if args.method == "eagle3":
         config = load_model_config(args.draft_model, args.trust_remote_code)
         yield "draft", args.draft_model, config, draft_model_class(config), None

@@ -19,6 +19,10 @@ is quantized when each of its checkpoint projections is, and the projections mus
 the 3 x E per-expert projections of a layer's routed experts. The router, embeddings and lm_head
 are never quantizable here (vLLM treats them the same way); a packed tensor for them is refused
 by the loader. MLA's kv_b_proj must stay unquantized: attention absorbs its weight as a matrix.
+
+A MoE block's shared expert whose layers the config gives the routed experts' scheme is stored and
+run as one more routed expert (fuse_shared_experts_by_format, SGLang's shared-experts fusion); any
+other mix keeps it a separate MLP.
 """
 from __future__ import annotations
 
@@ -35,8 +39,8 @@ from transformers import PretrainedConfig
 from atom_like.loader.weights import WeightMap
 from model_ops.attention.mla import MLAAttention
 from model_ops.linear import Linear, MergedLinear
-from model_ops.moe import FusedExperts
-from model_ops.quant.mxfp4_layers import MXFP4Experts, MXFP4Linear, MXFP4MergedLinear
+from model_ops.moe import FusedExperts, SharedExpertHost
+from model_ops.quant.mxfp4_layers import MXFP4Experts, MXFP4Linear, MXFP4MergedLinear, mxfp4_experts_backend
 
 logger = logging.getLogger(__name__)
 
@@ -205,52 +209,90 @@ def _checkpoint_names(path: str, module: nn.Module, merged_shards: dict[str, lis
 
 
 def quantize_model(model: nn.Module, quark: QuarkConfig, weight_map: WeightMap,
-                   activations: ActivationsMode = "checkpoint", moe_backend: str = "auto") -> dict[str, MXFP4Scheme]:
+                   activations: ActivationsMode = "checkpoint", moe_backend: str = "auto",
+                   fuse_shared_experts: bool = True) -> dict[str, MXFP4Scheme]:
     """Swap every Linear and routed-expert layer the config quantizes for its MXFP4 module (built
     before the weights are loaded; see model_ops.deferred). `activations="unquantized"` runs the
     same weights with unquantized activations (W4A16); `moe_backend` is --moe-backend, the kernel
-    of the MXFP4 routed experts. Returns {module path: scheme}."""
+    of the MXFP4 routed experts; `fuse_shared_experts` (--fuse-shared-experts) lets a shared
+    expert of the routed experts' format run as one of them (fuse_shared_experts below).
+    Returns {module path: scheme}."""
     if activations not in ACTIVATION_MODES:
         raise ValueError(f"--mxfp4-activations must be one of {', '.join(ACTIVATION_MODES)}; got {activations!r}")
     merged_shards: dict[str, list[str]] = {}
     for ckpt_module, (merged, shard) in sorted(weight_map.packed.items(), key=lambda kv: kv[1][1]):
         merged_shards.setdefault(merged, []).append(ckpt_module)
+    schemes: dict[str, MXFP4Scheme | None] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, (Linear, FusedExperts)):
+            names = _checkpoint_names(path, module, merged_shards)
+            scheme = quark.scheme(names, {n: _aliases(n, weight_map) for n in names})
+            if scheme is not None and activations == "unquantized":
+                scheme = MXFP4Scheme(quantize_activations=False)
+            schemes[path] = scheme
+    fused = fuse_shared_experts_by_format(model, schemes, moe_backend) if fuse_shared_experts else 0
     plan: dict[str, MXFP4Scheme] = {}
     unquantized = 0
     for path, module in list(model.named_modules()):
         if not isinstance(module, (Linear, FusedExperts)):
             continue
-        names = _checkpoint_names(path, module, merged_shards)
-        scheme = quark.scheme(names, {n: _aliases(n, weight_map) for n in names})
+        scheme = schemes[path]  # a fused block's experts keep their path, and the shared expert's scheme
         if scheme is None:
             unquantized += 1
             continue
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path)
+        name = _checkpoint_names(path, module, merged_shards)[0]
         if isinstance(parent, MLAAttention) and module is parent.kv_b_proj:
-            raise ValueError(f"{_FIELD} quantizes {names[0]} (MLA kv_b_proj): not supported, attention absorbs "
+            raise ValueError(f"{_FIELD} quantizes {name} (MLA kv_b_proj): not supported, attention absorbs "
                              "its weight as a matrix; exclude it (Quark's templates exclude *self_attn*)")
-        if activations == "unquantized":
-            scheme = MXFP4Scheme(quantize_activations=False)
         try:
             setattr(parent, leaf, _packed_module(module, scheme, moe_backend))
         except ValueError as e:
-            raise ValueError(f"{_FIELD} quantizes {names[0]}, which cannot be MXFP4: {e}") from None
+            raise ValueError(f"{_FIELD} quantizes {name}, which cannot be MXFP4: {e}") from None
         plan[path] = scheme
     experts = sum(isinstance(model.get_submodule(p), MXFP4Experts) for p in plan)
-    logger.info("Quark MXFP4: %d routed-expert layer(s) and %d Linear layer(s) packed, %d Linear layer(s) unquantized; "
-                "activations %s", experts, len(plan) - experts, unquantized,
-                _activation_note(plan.values(), activations))
+    logger.info("Quark MXFP4: %d routed-expert layer(s) (the shared expert fused in as one more expert in %d) and "
+                "%d Linear layer(s) packed, %d Linear layer(s) unquantized; activations %s", experts, fused,
+                len(plan) - experts, unquantized, _activation_note(plan.values(), activations))
     return plan
 
 
-def checkpoint_quantizer(config: PretrainedConfig, activations: ActivationsMode,
-                         moe_backend: str = "auto") -> Callable[[nn.Module], object] | None:
+def fuse_shared_experts_by_format(model: nn.Module, schemes: dict[str, MXFP4Scheme | None], moe_backend: str) -> int:
+    """Fuse each MoE block's shared expert into its routed experts (model_ops.moe.SharedExpertHost)
+    where the config gives the routed experts and every layer of the shared expert one MXFP4
+    scheme (same weight and activation quantization): decided by the config alone, per block.
+    A float shared expert beside MXFP4 routed ones (an exclude list naming it), or one of another
+    activation scheme, keeps its own layers. Float routed experts are never fused here (no
+    quantization config, no call). aiter's routed experts stay unfused: its adapter (never run on
+    AMD hardware) is not built for the extra expert. Before any packed weight exists, so the
+    packed experts are allocated once, with E + 1 experts. Returns how many blocks were fused."""
+    paths = {module: path for path, module in model.named_modules()}
+    fused = 0
+    for block in [m for m in model.modules() if isinstance(m, SharedExpertHost)]:
+        parts = block.fusable_shared_expert()
+        if parts is None:
+            continue
+        experts, layers = parts
+        scheme = schemes[paths[experts]]
+        if scheme is None or any(schemes[paths[layer]] != scheme for layer in layers):
+            continue
+        hidden = experts.w13.shape[-1]
+        if mxfp4_experts_backend(moe_backend, hidden, experts.sharding.size, scheme.quantize_activations) == "aiter":
+            continue
+        block.fuse_shared_expert()
+        fused += 1
+    return fused
+
+
+def checkpoint_quantizer(config: PretrainedConfig, activations: ActivationsMode, moe_backend: str = "auto",
+                         fuse_shared_experts: bool = True) -> Callable[[nn.Module], object] | None:
     """build_model's `quantize` for a checkpoint with this config: None unless it is Quark-quantized."""
     quark = QuarkConfig.from_model_config(config)
     if quark is None:
         return None
-    return lambda model: quantize_model(model, quark, model.weight_map(), activations, moe_backend)
+    return lambda model: quantize_model(model, quark, model.weight_map(), activations, moe_backend,
+                                        fuse_shared_experts)
 
 
 def _activation_note(schemes: Iterable[MXFP4Scheme], activations: ActivationsMode) -> str:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from atom_like.loader.weights import WeightMap
+from atom_like.loader.weights import NameRule, WeightMap
 from atom_like.models.base import DecoderModel, DecoderOnlyLM
 from atom_like.models.llama import LlamaDecoderLayer, LlamaMLP
 from model_ops import tp
@@ -23,7 +24,7 @@ from model_ops.attention.mla import MLAAttention
 from model_ops.embed_head import VocabEmbedding
 from model_ops.layernorm import RMSNorm
 from model_ops.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
-from model_ops.moe import FusedExperts, GatingConfig, TopkRouter, expert_weight_rule
+from model_ops.moe import FusedExperts, GatingConfig, TopkRouter, append_shared_expert, expert_weight_rule
 from model_ops.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -130,19 +131,53 @@ def mla_packed_weights(config: PretrainedConfig) -> dict[str, tuple[str, int]]:
 class DeepseekV2MoE(nn.Module):
     """Routed experts weighted by the router, plus unscaled shared experts. Tensor parallel: the
     router is replicated, routed and shared experts are split along their intermediate dim and
-    their partial sums are reduced together, one all-reduce per layer."""
+    their partial sums are reduced together, one all-reduce per layer.
+
+    SharedExpertHost (model_ops.moe): one shared expert of the routed experts' size may be fused
+    into them as expert E (`shared_slot`), when the quantization config gives it their format."""
 
     def __init__(self, config: PretrainedConfig, gating: GatingConfig):
         super().__init__()
         self.gate = TopkRouter(config.hidden_size, gating)
         self.experts = FusedExperts(gating.num_experts, config.hidden_size, config.moe_intermediate_size)
-        shared = getattr(config, "n_shared_experts", None) or 0
-        self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * shared, reduce=False,
-                                       what="moe_intermediate_size x n_shared_experts") if shared else None
+        self.num_shared = getattr(config, "n_shared_experts", None) or 0
+        self.shared_experts = LlamaMLP(config.hidden_size, config.moe_intermediate_size * self.num_shared, reduce=False,
+                                       what="moe_intermediate_size x n_shared_experts") if self.num_shared else None
+        self.shared_slot: int | None = None  # the shared expert's index in `experts` once fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.gate(x))
+        topk_weights, topk_ids = self.gate(x)
+        if self.shared_slot is not None:
+            topk_weights, topk_ids = append_shared_expert(topk_weights, topk_ids, self.shared_slot)
+        out = self.experts(x, topk_weights, topk_ids)
         return tp.all_reduce(out if self.shared_experts is None else out + self.shared_experts(x))
+
+    # SharedExpertHost (model_ops.moe); the MLP's layers never have a bias here
+    def fusable_shared_expert(self) -> tuple[nn.Module, list[nn.Module]] | None:
+        if self.shared_experts is None or self.num_shared != 1:
+            return None
+        return self.experts, [self.shared_experts.gate_up_proj, self.shared_experts.down_proj]
+
+    def fuse_shared_expert(self) -> None:
+        routed = self.experts
+        self.experts = FusedExperts(routed.num_experts + 1, routed.w13.shape[-1], routed.sharding.full)
+        self.shared_experts, self.shared_slot = None, routed.num_experts
+
+
+_SHARED_EXPERT = re.compile(r"^(.*\.layers\.(\d+)\.mlp)\.shared_experts\."
+                            r"(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
+
+
+def fused_shared_expert_rule(slots: dict[int, int]) -> NameRule:
+    """WeightMap rule: the shared expert of decoder layer i, fused as expert `slots[i]`, loads as
+    that expert's per-expert tensors (so tensor parallelism cuts it as it cuts a routed expert)."""
+    def rule(name: str) -> tuple[str, str | None] | None:
+        m = _SHARED_EXPERT.match(name)
+        if m is None or int(m[2]) not in slots:
+            return None
+        return expert_weight_rule(f"{m[1]}.experts.{slots[int(m[2])]}.{m[3]}.{m[4]}")
+
+    return rule
 
 
 def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
@@ -186,7 +221,10 @@ class DeepseekV2ForCausalLM(DecoderOnlyLM):
         why = (f"multi-token-prediction layers (num_nextn_predict_layers={num_mtp}: layers {num_layers}.."
                f"{num_layers + num_mtp - 1}; not used for EAGLE3)")
         skip += [(f"model.layers.{num_layers + i}.", why) for i in range(num_mtp)]
-        return WeightMap(rules=(expert_weight_rule,), packed=mla_packed_weights(self.config), skip=tuple(skip))
+        slots = {i: layer.mlp.shared_slot for i, layer in enumerate(self.model.layers)
+                 if isinstance(layer.mlp, DeepseekV2MoE) and layer.mlp.shared_slot is not None}
+        rules = (expert_weight_rule, fused_shared_expert_rule(slots)) if slots else (expert_weight_rule,)
+        return WeightMap(rules=rules, packed=mla_packed_weights(self.config), skip=tuple(skip))
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

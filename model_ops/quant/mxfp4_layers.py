@@ -98,6 +98,14 @@ def choose_mxfp4_experts_backend(preference: str, platform: Platform, hidden_siz
     return preference
 
 
+def mxfp4_experts_backend(preference: str, hidden_size: int, intermediate_size: int,
+                          quantize_activations: bool) -> str:
+    """choose_mxfp4_experts_backend for experts built on the default device (this rank's
+    `intermediate_size`): what MXFP4Experts will run, known before it is built."""
+    return choose_mxfp4_experts_backend(preference, detect_platform(torch.get_default_device()), hidden_size,
+                                        intermediate_size, quantize_activations)
+
+
 def mxfp4_experts_impl(backend: str) -> MXFP4ExpertsFn:
     """The function behind "torch" or "triton" (aiter is a stateful adapter: AiterMXFP4MoE)."""
     if backend == "triton":
@@ -217,9 +225,7 @@ class MXFP4Experts(nn.Module):
         self.w13_scale = _packed_param(num_experts, 2 * local, hidden_size // BLOCK)
         self.w2 = _packed_param(num_experts, hidden_size, local // 2)
         self.w2_scale = _packed_param(num_experts, hidden_size, local // BLOCK)
-        device = torch.get_default_device()
-        self.backend = choose_mxfp4_experts_backend(backend, detect_platform(device), hidden_size, local,
-                                                    quantize_activations)
+        self.backend = mxfp4_experts_backend(backend, hidden_size, local, quantize_activations)
         # aiter runs on its own layout of these tensors, made once after loading (process_weights_after_loading)
         self.aiter = AiterMXFP4MoE() if self.backend == "aiter" else None
         self.impl = mxfp4_experts_impl(self.backend)
