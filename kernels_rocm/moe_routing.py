@@ -31,11 +31,11 @@ GROUP_SCORES = ("top2_sum", "max")
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t: tl.int64, per_group, scaling,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t: tl.int64, per_group, scaling, shared_id,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2_SUM: tl.constexpr,
-    NORM: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -80,18 +80,24 @@ def _route_kernel(
         choice = tl.where(chosen, float("-inf"), choice)
     if NORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
-    out = t * TOP_K + slot
-    tl.store(weights_ptr + out, weights * scaling, mask=slot < TOP_K)
-    tl.store(ids_ptr + out, ids, mask=slot < TOP_K)
+    width: tl.constexpr = TOP_K + 1 if HAS_SHARED else TOP_K
+    weights = weights * scaling
+    if HAS_SHARED:  # the fused shared expert's slot, after the routed ones: weight exactly 1.0
+        weights = tl.where(slot == TOP_K, 1.0, weights)
+        ids = tl.where(slot == TOP_K, shared_id.to(tl.int64), ids)
+    tl.store(weights_ptr + t * width + slot, weights, mask=slot < width)
+    tl.store(ids_ptr + t * width + slot, ids, mask=slot < width)
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool, n_group: int = 1,
                topk_group: int = 1, group_score: str = "top2_sum", norm: bool = True,
-               scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+               scaling: float = 1.0, shared_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32 (contiguous rows), bias [E] fp32 or None -> (weights [T, top_k] fp32,
     ids [T, top_k] int64). Groups are used when topk_group < n_group, ranked by `group_score`
-    ("top2_sum": noaux_tc; "max": group_limited_greedy). Arguments as validated by
-    model_ops.moe.GatingConfig; only tensor shapes are checked here."""
+    ("top2_sum": noaux_tc; "max": group_limited_greedy). `shared_id`: a shared expert fused into
+    the routed ones as that expert id; every token gets it as an extra last slot with weight 1.0
+    ([T, top_k + 1]). Arguments as validated by model_ops.moe.GatingConfig; only tensor shapes
+    are checked here."""
     check_tensor("logits", logits, 2, (torch.float32,))
     num_tokens, num_experts = logits.shape
     if bias is not None:
@@ -103,8 +109,9 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigm
     if num_experts % n_group or not 1 <= top_k <= num_experts:
         raise ValueError(f"{num_experts} experts in {n_group} groups, top_k {top_k}: groups must divide the "
                          "experts and top_k be in [1, experts]")
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    width = top_k + (shared_id is not None)
+    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, width, dtype=torch.int64, device=logits.device)
     if num_tokens:
         grouped = topk_group < n_group
         per_group = num_experts // n_group if grouped else num_experts
@@ -114,10 +121,11 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigm
         block = triton.next_power_of_2(groups) * triton.next_power_of_2(per_group)
         _route_kernel[(num_tokens,)](
             logits, bias if bias is not None else logits, weights, ids, logits.stride(0), per_group, scaling,
+            shared_id or 0,
             N_GROUP=groups, TOPK_GROUP=topk_group if grouped else 1, TOP_K=top_k,
             BLOCK_G=triton.next_power_of_2(groups), BLOCK_EG=triton.next_power_of_2(per_group),
-            BLOCK_K=triton.next_power_of_2(top_k), SIGMOID=sigmoid, HAS_BIAS=bias is not None, GROUPED=grouped,
-            TOP2_SUM=group_score == "top2_sum", NORM=norm, num_warps=1 if block <= 1024 else 4,
+            BLOCK_K=triton.next_power_of_2(width), SIGMOID=sigmoid, HAS_BIAS=bias is not None, GROUPED=grouped,
+            TOP2_SUM=group_score == "top2_sum", NORM=norm, HAS_SHARED=shared_id is not None, num_warps=1 if block <= 1024 else 4,
             **pdl.launch_args(logits.device),
         )
     return weights, ids

@@ -96,9 +96,10 @@ class GatingConfig:
         return self.topk_method != "greedy" and self.topk_group < self.n_group
 
 
-def select_experts(logits: torch.Tensor, bias: torch.Tensor | None,
-                   gating: GatingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 router logits [T, E] -> (weights [T, K] fp32, expert ids [T, K] int64)."""
+def select_experts(logits: torch.Tensor, bias: torch.Tensor | None, gating: GatingConfig,
+                   shared_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 router logits [T, E] -> (weights [T, K] fp32, expert ids [T, K] int64); with a fused
+    shared expert at `shared_slot`, [T, K + 1] (append_shared_expert)."""
     scores = logits.sigmoid() if gating.scoring_func == "sigmoid" else logits.softmax(dim=-1)
     choice = scores if bias is None else scores + bias
     if gating.grouped:
@@ -114,20 +115,23 @@ def select_experts(logits: torch.Tensor, bias: torch.Tensor | None,
     weights = scores.gather(1, ids)
     if gating.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * gating.routed_scaling_factor, ids
+    weights = weights * gating.routed_scaling_factor
+    return (weights, ids) if shared_slot is None else append_shared_expert(weights, ids, shared_slot)
 
 
-# (fp32 logits [T, E], correction bias [E] or None, gating) -> (weights [T, K] fp32, ids [T, K] int64)
-RoutingFn = Callable[[torch.Tensor, torch.Tensor | None, GatingConfig], tuple[torch.Tensor, torch.Tensor]]
+# (fp32 logits [T, E], correction bias [E] or None, gating, fused shared expert's slot or None)
+#   -> (weights [T, K (+ 1)] fp32, ids [T, K (+ 1)] int64)
+RoutingFn = Callable[[torch.Tensor, torch.Tensor | None, GatingConfig, int | None],
+                     tuple[torch.Tensor, torch.Tensor]]
 
 
-def _routing_kernel(logits: torch.Tensor, bias: torch.Tensor | None,
-                    gating: GatingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _routing_kernel(logits: torch.Tensor, bias: torch.Tensor | None, gating: GatingConfig,
+                    shared_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     from kernels_rocm.moe_routing import route_topk
 
     return route_topk(logits, bias, gating.top_k, gating.scoring_func == "sigmoid", gating.n_group,
                       gating.topk_group, "top2_sum" if gating.topk_method == "noaux_tc" else "max",
-                      gating.norm_topk_prob, gating.routed_scaling_factor)
+                      gating.norm_topk_prob, gating.routed_scaling_factor, shared_slot)
 
 
 def select_routing_impl(device: torch.device) -> RoutingFn:
@@ -152,9 +156,11 @@ class TopkRouter(nn.Module):
         )
         self.route = select_routing_impl(torch.get_default_device())
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, shared_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) of x's tokens; with `shared_slot` (a shared expert fused into the routed
+        ones) every token also gets that expert, weight 1.0, as its last slot."""
         logits = dense_fp32(x, self.weight)  # fp32 logits, as every reference does
-        return self.route(logits, self.e_score_correction_bias, self.gating)
+        return self.route(logits, self.e_score_correction_bias, self.gating, shared_slot)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -284,7 +290,7 @@ class SharedExpertHost(Protocol):
     def fuse_shared_expert(self) -> None:
         """Replace the routed experts by E + 1 of the same kind (on the meta device while weights
         are deferred) and drop the separate shared expert; from then on forward routes every
-        token to slot E too (`append_shared_expert`) and the loader fills slot E from the
+        token to slot E too (the router appends it) and the loader fills slot E from the
         checkpoint's shared-expert tensors."""
 
 
@@ -292,7 +298,7 @@ def append_shared_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                          slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused shared expert's routing slot: [T, K] -> [T, K + 1], every token also to expert
     `slot` with weight exactly 1.0 (the shared expert is neither renormalised nor scaled by
-    routed_scaling_factor). A plain torch op for now; the routing kernel may write it instead."""
+    routed_scaling_factor). The reference's; kernels_rocm.moe_routing writes the slot itself."""
     tokens = topk_ids.shape[0]
     return (torch.cat([topk_weights, topk_weights.new_ones(tokens, 1)], dim=1),
             torch.cat([topk_ids, topk_ids.new_full((tokens, 1), slot)], dim=1))

@@ -93,3 +93,20 @@ def test_router_module_with_the_kernels():
     out = _by_expert(*router(x))
     assert torch.equal(out[1], ref[1])
     torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["kimi_k25", "deepseek_v3"])
+def test_fused_shared_expert_slot(name):
+    """With a fused shared expert the kernel writes its slot itself: last, id E, weight exactly 1.0
+    (unscaled), the routed slots as without it; the reference appends the same slot."""
+    gating = _gating(name)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, gating.num_experts, generator=g)
+    bias = torch.randn(gating.num_experts, generator=g) * 0.5
+    weights, ids = _routing_kernel(logits, bias, gating, gating.num_experts)
+    assert weights.shape == ids.shape == (3, gating.top_k + 1)
+    assert (ids[:, -1] == gating.num_experts).all() and (weights[:, -1] == 1.0).all()
+    routed = _routing_kernel(logits, bias, gating)
+    assert torch.equal(weights[:, :-1], routed[0]) and torch.equal(ids[:, :-1], routed[1])
+    ref_weights, ref_ids = select_experts(logits, bias, gating, gating.num_experts)
+    assert torch.equal(ref_ids[:, -1], ids[:, -1]) and torch.equal(ref_weights[:, -1], weights[:, -1])

@@ -24,7 +24,7 @@ from model_ops.attention.mla import MLAAttention
 from model_ops.embed_head import VocabEmbedding
 from model_ops.layernorm import RMSNorm
 from model_ops.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
-from model_ops.moe import FusedExperts, GatingConfig, TopkRouter, append_shared_expert, expert_weight_rule
+from model_ops.moe import FusedExperts, GatingConfig, TopkRouter, expert_weight_rule
 from model_ops.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -146,10 +146,7 @@ class DeepseekV2MoE(nn.Module):
         self.shared_slot: int | None = None  # the shared expert's index in `experts` once fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
-        if self.shared_slot is not None:
-            topk_weights, topk_ids = append_shared_expert(topk_weights, topk_ids, self.shared_slot)
-        out = self.experts(x, topk_weights, topk_ids)
+        out = self.experts(x, *self.gate(x, self.shared_slot))
         return tp.all_reduce(out if self.shared_experts is None else out + self.shared_experts(x))
 
     # SharedExpertHost (model_ops.moe); the MLP's layers never have a bias here
