@@ -113,40 +113,64 @@ def store_rows(
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
 
 
+# Merge tiling. At batch 1 the merge is pure latency: T x H is 8 rows (Kimi TP8 MLA) or 32 (Llama
+# MHA), each of NUM_SEGMENTS (up to MAX_KV_SPLITS = 128) partial rows. A loop over segments, one
+# scalar max, exp2 and dependent row load after another, took 12.6 us a call in a Kimi TP8 decode
+# step at 1k context (64-128 segments, H200, `ci/bench_kimi.py --profile-steps`), twice the MLA
+# kernel. So a program takes a BLOCK_D-column slice of one (token, head) row and loads all its
+# segments as one [NUM_SEGMENTS, BLOCK_D] tile: the loads of all segments are in flight together
+# (from L2, where the attention kernel just wrote the partials), and there are more programs.
+# - BLOCK_D = 32 fp32 = 128 bytes: each segment's slice is one whole cache line, and the narrowest
+#   slice gives the most programs (MLA at batch 1: 8 heads x 16 slices = 128, about one an SM), so
+#   the 2 MB of partials at 128 segments are read through the whole GPU, not through 8 SMs.
+# - The tile is at most MAX_KV_SPLITS x 32 = 4096 fp32: 32 values a thread at 4 warps, which
+#   leaves room for the rest, so no loop over segment chunks is needed (`ci/compile_kernels.py`,
+#   128 segments: 56 registers on sm_90, 40 VGPRs on gfx942, no spills).
+# - num_warps: 4, fewer for small tiles (few segments, i.e. large batches) so that a thread keeps
+#   at least 8 values (two 16-byte loads) instead of idle replicated lanes.
+MERGE_BLOCK_D = 32
+MERGE_VALUES_PER_THREAD = 8
+MERGE_MAX_WARPS = 4
+
+
 @triton.jit
 def _merge_segments_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     stride_out_t: tl.int64, stride_out_h: tl.int64, num_heads,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """out[token, head, d slice] = sum_s 2^(max_s - M) acc_s / sum_s 2^(max_s - M) sum_s, M the
+    largest max (0 if all are -inf): empty segments (max -inf) weigh 0, a fully empty row is 0."""
     wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    base = (token * num_heads + head) * NUM_SEGMENTS
-    segments = tl.arange(0, NUM_SEGMENTS)
-    seg_max = tl.load(part_max_ptr + base + segments)
-    seg_sum = tl.load(part_sum_ptr + base + segments)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM  # the padding columns past HEAD_DIM (zeros) are not read
+    segments = (token * num_heads + head) * NUM_SEGMENTS + tl.arange(0, NUM_SEGMENTS)
+    # On sm_90 ptxas issues the max load, then the sum and all of the tile's 16-byte loads together
+    # (8 a thread at 128 segments) while the max reduces: two round trips, not one a segment.
+    seg_max = tl.load(part_max_ptr + segments)
+    seg_sum = tl.load(part_sum_ptr + segments)
+    tile = tl.load(part_acc_ptr + segments[:, None] * HEAD_PAD + offs_d[None, :], mask=d_mask[None, :], other=0.0)
     global_max = tl.max(seg_max, axis=0)
     global_max = tl.where(global_max == float("-inf"), 0.0, global_max)
     weights = tl.exp2(seg_max - global_max)  # empty segments (max -inf) weigh 0
     denom = tl.sum(weights * seg_sum, axis=0)
-    offs_d = tl.arange(0, HEAD_PAD)
-    acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
-    # Loop instead of a [NUM_SEGMENTS, HEAD_PAD] tile: 128 segments x 512 (MLA) would not fit registers.
-    for s in range(NUM_SEGMENTS):
-        w = tl.exp2(tl.load(part_max_ptr + base + s) - global_max)
-        acc += w * tl.load(part_acc_ptr + (base + s) * HEAD_PAD + offs_d)
-    out = acc / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(
-        out_ptr + token * stride_out_t + head * stride_out_h + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
+    out = tl.sum(weights[:, None] * tile, axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + token * stride_out_t + head * stride_out_h + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+def merge_launch_config(num_segments: int, head_pad: int) -> tuple[int, int]:
+    """(BLOCK_D, num_warps) of a merge; see MERGE_BLOCK_D."""
+    block_d = min(MERGE_BLOCK_D, head_pad)
+    return block_d, max(1, min(MERGE_MAX_WARPS, num_segments * block_d // (32 * MERGE_VALUES_PER_THREAD)))
 
 
 class SplitBuffers:
-    """fp32 partial results of a split launch: acc [T, H, S, head_pad], max and sum [T, H, S]."""
+    """fp32 partial results of a split launch: acc [T, H, S, head_pad], max and sum [T, H, S];
+    S a power of two."""
 
     def __init__(self, num_tokens: int, num_heads: int, num_segments: int, head_pad: int, device: torch.device):
         shape = (num_tokens, num_heads, num_segments)
@@ -156,10 +180,12 @@ class SplitBuffers:
 
     def merge_into(self, out: torch.Tensor, head_dim: int) -> None:
         num_tokens, num_heads, num_segments, head_pad = self.acc.shape
-        _merge_segments_kernel[(num_tokens, num_heads)](
+        block_d, num_warps = merge_launch_config(num_segments, head_pad)
+        _merge_segments_kernel[(num_tokens, num_heads, triton.cdiv(head_dim, block_d))](
             self.acc, self.max, self.sum, out,
             out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SEGMENTS=num_segments, **pdl.launch_args(out.device),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SEGMENTS=num_segments, BLOCK_D=block_d,
+            num_warps=num_warps, **pdl.launch_args(out.device),
         )
 
 
