@@ -315,3 +315,22 @@ def test_fp8_scale_is_read_at_replay():
         rows = dequantize_fp8(cache, scale)
         assert_rel_close(out, torch_ref.paged_attention(q.float(), rows.unsqueeze(2), rows[..., :LATENT].unsqueeze(2),
                                                         meta, 0.072))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 32], ids=["decode_1", "decode_4", "grouped_32"])
+def test_fused_shared_expert_slot_compiled(num_tokens):
+    """Kimi TP8 with its shared expert fused as expert 384 (9 slots, the last at weight 1.0, as the
+    routing kernel writes them), W4A4, against the dequantize reference and against the routed and
+    shared experts run apart."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs("kimi_tp8", num_tokens, seed=9)
+    g = torch.Generator(device=DEVICE).manual_seed(10)
+    w13s, s13s = random_mxfp4(1, w13.shape[1], w13.shape[2], g=g)
+    w2s, s2s = random_mxfp4(1, w2.shape[1], w2.shape[2], g=g)
+    w13, s13, w2, s2 = (torch.cat(p) for p in ((w13, w13s), (s13, s13s), (w2, w2s), (s2, s2s)))
+    fused_w = torch.cat([weights, weights.new_ones(num_tokens, 1)], 1)
+    fused_ids = torch.cat([ids, ids.new_full((num_tokens, 1), 384)], 1)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, fused_w, fused_ids, True)
+    assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, fused_w, fused_ids, True))
+    apart = (fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True)
+             + fused_moe_mxfp4(x, w13, s13, w2, s2, fused_w[:, 8:].contiguous(), fused_ids[:, 8:].contiguous(), True))
+    assert_rel_close(out, apart)
