@@ -324,8 +324,9 @@ def test_fused_shared_expert_slot_compiled(num_tokens):
     shared experts run apart."""
     x, w13, s13, w2, s2, weights, ids = moe_inputs("kimi_tp8", num_tokens, seed=9)
     g = torch.Generator(device=DEVICE).manual_seed(10)
-    w13s, s13s = random_mxfp4(1, w13.shape[1], w13.shape[2], g=g)
-    w2s, s2s = random_mxfp4(1, w2.shape[1], w2.shape[2], g=g)
+    _, _, hidden, inter = MOE_SHAPES["kimi_tp8"]
+    w13s, s13s = random_mxfp4(1, 2 * inter, hidden, g=g)  # logical shapes (the packed ones are half as wide)
+    w2s, s2s = random_mxfp4(1, hidden, inter, g=g)
     w13, s13, w2, s2 = (torch.cat(p) for p in ((w13, w13s), (s13, s13s), (w2, w2s), (s2, s2s)))
     fused_w = torch.cat([weights, weights.new_ones(num_tokens, 1)], 1)
     fused_ids = torch.cat([ids, ids.new_full((num_tokens, 1), 384)], 1)
