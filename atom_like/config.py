@@ -43,6 +43,7 @@ class EngineArgs:
     device: str = field(default="auto", metadata={"help": "auto | cuda | cpu (ROCm GPUs are 'cuda' in torch)."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor-parallel ranks: one process and one GPU each (gloo processes on CPU); see docs/parallel.md.", "short": "-tp"})
     disable_custom_all_reduce: bool = field(default=False, metadata={"help": "With -tp on NVIDIA GPUs of one host, all-reduces up to 1 MiB (decode's activations) run as one kernel over peer memory (torch symmetric memory) instead of NCCL (6.7 against 11.9 us for 8 KiB on two H200s); this flag keeps NCCL for every collective."})
+    fuse_all_reduce_norm: bool = field(default=True, metadata={"help": "With the custom all-reduce (above), the all-reduce that ends a decoder layer's attention or MLP runs in one kernel with the residual add and RMSNorm after it (one cross-GPU barrier, no separate norm launch; same bits at two ranks). --no-fuse-all-reduce-norm keeps them apart (A/B measurements)."})
     block_size: int = field(default=16, metadata={"help": "Tokens per KV-cache block."})
     max_num_seqs: int = field(default=256, metadata={"help": "Most sequences in one step."})
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "Most query tokens in one step (longer prompts are prefilled in chunks)."})

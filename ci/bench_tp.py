@@ -10,8 +10,9 @@ Three parts, each writing its results as soon as it has them:
   Run first, while the GPUs are otherwise idle.
 * speed: decode tokens/s at each batch size (default 1 and 32) for an 8B Llama-shaped model
   (Llama-3.1-8B's shape) and the ~2B DeepSeek-V3-shaped MoE of ci/bench_models.py, random-init
-  bf16 checkpoints written here, -tp 1, -tp 2 with NCCL only (--disable-custom-all-reduce) and
-  -tp 2 with the one-shot all-reduce (the default); the per-rank weight bytes; the step time the
+  bf16 checkpoints written here, -tp 1, -tp 2 with NCCL only (--disable-custom-all-reduce), with
+  the one-shot all-reduce alone (--no-fuse-all-reduce-norm) and with it fused with the residual
+  add and RMSNorm that follow (the default); the per-rank weight bytes; the step time the
   measured collectives take up. Methodology as bench_models.py (prompt 64 random tokens,
   64 generated, ignore_eos, greedy, one untimed warm-up; prefill excluded). Each step ends in a
   host read of the sampled tokens, so timing engine.step() needs no extra synchronisation.
@@ -269,14 +270,15 @@ def bench_speed(results: Results, names: list[str], batches: list[int], prompt_l
             continue
         with tempfile.TemporaryDirectory() as folder:
             path, params = save_random_model(configs[name](), os.path.join(folder, name))
-            for tp, reduce in ((1, "-"), (TP, "nccl"), (TP, "one-shot")):
+            for tp, reduce in ((1, "-"), (TP, "nccl"), (TP, "one-shot"), (TP, "one-shot + norm")):
                 if results.over_budget(part="speed", model=name, tp=tp, all_reduce=reduce):
                     continue
                 engine = None
                 try:  # a failure is recorded and the other configurations still run
                     engine = LLMEngine(path, dtype="bfloat16", max_model_len=prompt_len + max_tokens + 16,
                                        max_num_seqs=max(batches), gpu_memory_utilization=0.5, tensor_parallel_size=tp,
-                                       disable_custom_all_reduce=reduce == "nccl")
+                                       disable_custom_all_reduce=reduce == "nccl",
+                                       fuse_all_reduce_norm=reduce == "one-shot + norm")
                     weights = ([engine.runner.param_bytes] if tp == 1 else
                                [info.param_bytes for info in engine.runner.infos])
                     results.data["params"][f"{name}/tp{tp}"] = dict(params=params, bytes_per_rank=weights)

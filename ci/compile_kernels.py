@@ -49,6 +49,7 @@ if "TRITON_PTXAS_PATH" not in os.environ:
     with contextlib.suppress(RuntimeError):  # triton's wheel bundles ptxas (and nvdisasm)
         os.environ["TRITON_PTXAS_PATH"] = triton.knobs.nvidia.ptxas.path
 
+import kernels_rocm.allreduce_rms_norm as ar_norm_mod  # noqa: E402
 import kernels_rocm.fused_moe as fused_moe_mod  # noqa: E402
 import kernels_rocm.mla_decode as mla_mod  # noqa: E402
 import kernels_rocm.moe_routing as routing_mod  # noqa: E402
@@ -222,6 +223,9 @@ CASES: dict[str, Callable[[str], None]] = {
                                                                     _t(384, dtype=torch.float32), 8, sigmoid=True),
     "MoE routing DeepSeek-V3 E256 8 groups": lambda _: routing_mod.route_topk(
         _t(64, 256, dtype=torch.float32), _t(256, dtype=torch.float32), 8, sigmoid=True, n_group=8, topk_group=4),
+    "all-reduce + add + RMSNorm 2 ranks H4096": lambda _: ar_norm_mod.allreduce_add_rms_norm(
+        _t(4, 4096), _t(4, 4096), _t(4096), 1e-6, (_t(2 * 64 * 4096),) * 2, (_t(2 * 64, dtype=torch.int32),) * 2,
+        _t(64, dtype=torch.int32), _t(1, dtype=torch.int32), rank=1),
     "step advance k 3": lambda _: advance(_t(3, 64, dtype=torch.int64), _t(64, dtype=torch.int64),
                                           _t(64, 4, dtype=torch.int64), _t(64, 3, dtype=torch.int64),
                                           *(_t(256, dtype=torch.int64) for _ in range(2)), _t(64, dtype=torch.int32),

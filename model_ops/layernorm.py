@@ -13,6 +13,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from model_ops import tp
+
 
 @functools.cache
 def fused_kernels() -> ModuleType | None:
@@ -51,3 +53,13 @@ class RMSNorm(nn.Module):
             return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self.forward(residual), residual
+
+    def reduce_add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_forward of the sum of x over the tensor-parallel ranks (x: a row-parallel layer's
+        partial sums, not yet all-reduced): one kernel over peer memory where model_ops.tp has
+        it (all-reduce, add and norm fused: one cross-GPU barrier, no separate norm launch), else
+        the all-reduce, then add_forward. At -tp 1 exactly add_forward."""
+        fused = tp.fused_add_rms_norm_for(x)
+        if fused is not None and residual.is_contiguous():
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        return self.add_forward(tp.all_reduce(x), residual)

@@ -98,6 +98,17 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 ONE_SHOT_MAX_BYTES = 1 << 20  # decode's all-reduces: batch x hidden x 2 B is 512 KB at batch 64, hidden 4096
+FUSED_MAX_ROWS = 128  # the fused all-reduce + RMSNorm's rows a launch (capped by the SM count)
+FUSED_MAX_HIDDEN = 8192  # and its hidden size: staging of 2 x 128 x 8192 fp32 values, 8 MiB a rank
+
+
+def fused_add_rms_norm_for(x: torch.Tensor) -> OneShotAllReduce | None:
+    """The peer-memory all-reduce that can also do the residual add and RMSNorm after it for x (a
+    row-parallel layer's partial sums), or None: the caller all-reduces, then adds and norms."""
+    one_shot = _state.one_shot
+    if _state.size == 1 or _state.simulated or one_shot is None or not one_shot.accepts_rows(x):
+        return None
+    return one_shot
 
 
 class OneShotAllReduce:
@@ -113,19 +124,43 @@ class OneShotAllReduce:
     SGLang (aiter's on ROCm). Two ranks add in the same order as NCCL (a + b, then rounded), so
     -tp 2 results are the same bits either way; larger tensors keep NCCL, which moves fewer bytes.
 
+    `add_rms_norm` also fuses the residual add and RMSNorm that follow a decoder layer's
+    all-reduces into the exchange (kernels_rocm.allreduce_rms_norm: one kernel, one barrier,
+    double-buffered staging of its own); `fused_norm=False` (--no-fuse-all-reduce-norm) leaves
+    it out.
+
     CUDA only: on ROCm torch's symmetric memory is not used here and RCCL sums everything
     (aiter's custom all-reduce is not wired; docs/rocm.md)."""
 
     DTYPES = (torch.bfloat16, torch.float32)  # what the torch kernel dispatches
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES,
+                 fused_norm: bool = True):
         from torch.distributed import _symmetric_memory as symm_mem
+
+        from kernels_rocm._util import num_compute_units
 
         self.group_name = group.group_name
         self.max_bytes = max_bytes
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         # collective: every rank maps every peer's buffer now, at start-up, never inside a capture
         symm_mem.rendezvous(self.buffer, self.group_name)
+        # the fused all-reduce + add + RMSNorm (kernels_rocm.allreduce_rms_norm): its own staging
+        # buffer (2 slots of FUSED_MAX_ROWS rows) and flags, zeroed on every rank before any use
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # a launch's rows must all be resident at once (they spin); 0: the fused path is off
+        self.fused_rows = min(FUSED_MAX_ROWS, num_compute_units(device)) if fused_norm else 0
+        self.fused_staging = symm_mem.empty(2 * FUSED_MAX_ROWS * FUSED_MAX_HIDDEN * 4, dtype=torch.uint8, device=device)
+        self.fused_flags = symm_mem.empty(self.world * FUSED_MAX_ROWS, dtype=torch.int32, device=device)
+        self.fused_flags.zero_()
+        self._staging = symm_mem.rendezvous(self.fused_staging, self.group_name)
+        flags = symm_mem.rendezvous(self.fused_flags, self.group_name)
+        self._flags = tuple(flags.get_buffer(r, (self.world * FUSED_MAX_ROWS,), torch.int32) for r in range(self.world))
+        self._views: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}  # every rank's staging, as this dtype
+        self.counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)
+        self.errors = torch.zeros(1, dtype=torch.int32, device=device)  # waits that gave up (a dead peer)
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every rank's flags are zero before any rank signals
 
     def accepts(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -135,6 +170,24 @@ class OneShotAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         staging = self.buffer.view(x.dtype)[: x.numel()].view(x.shape)  # torch 2.11 wants the input's shape here
         return torch.ops.symm_mem.one_shot_all_reduce_copy(staging, x, "sum", self.group_name)
+
+    def accepts_rows(self, x: torch.Tensor) -> bool:
+        """The fused all-reduce + add + RMSNorm takes x [T, H]: decode-sized T (one wave of
+        programs), H within the staging rows, 16-bit or fp32."""
+        return (x.dim() == 2 and x.dtype in self.DTYPES and x.is_cuda and x.stride(-1) == 1
+                and 0 < x.shape[0] <= self.fused_rows and x.shape[1] <= FUSED_MAX_HIDDEN)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * rms_normalize(residual <- all_reduce(x) + residual), residual), one kernel."""
+        from kernels_rocm.allreduce_rms_norm import allreduce_add_rms_norm
+
+        if x.dtype not in self._views:
+            n = self.fused_staging.numel() // x.element_size()
+            self._views[x.dtype] = tuple(self._staging.get_buffer(r, (n,), x.dtype) for r in range(self.world))
+        out = allreduce_add_rms_norm(x, residual, weight, eps, self._views[x.dtype], self._flags, self.counters,
+                                     self.errors, self.rank)
+        return out, residual
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -166,7 +166,7 @@ def _one_shot(device: torch.device, args: EngineArgs) -> tp.OneShotAllReduce | N
     if device.type != "cuda" or torch.version.hip is not None or args.disable_custom_all_reduce or not one_host:
         return None
     try:
-        one_shot, error = tp.OneShotAllReduce(dist.group.WORLD, device), ""
+        one_shot, error = tp.OneShotAllReduce(dist.group.WORLD, device, fused_norm=args.fuse_all_reduce_norm), ""
     except RuntimeError as exc:  # no peer access between the GPUs, a torch without symmetric memory
         one_shot, error = None, str(exc).splitlines()[0]
     ok = torch.tensor([one_shot is not None], dtype=torch.int32, device=device)

@@ -69,25 +69,27 @@ class Eagle3Target(Protocol):
         """Replace both weights (shared, not copied), e.g. to give a draft the target's."""
 
 
-def capture_aux(aux: AuxHiddenStates | None, layer_idx: int, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> None:
-    """Hand `aux` the residual stream entering layer `layer_idx`. Decoder layers here fuse the
-    residual add into the next norm, so the stream is `hidden + residual` (`hidden`, the
-    embeddings, before layer 0); the sum is only formed for captured layers."""
-    if aux is not None and layer_idx in aux.layer_ids:
-        aux.capture(layer_idx, hidden if residual is None else hidden + residual)
-
-
 def run_decoder_layers(layers: nn.ModuleList, norm: RMSNorm, hidden: torch.Tensor,
                        cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                        aux: AuxHiddenStates | None) -> torch.Tensor:
-    """The pre-norm residual decoder stack shared by Llama and DeepSeek; captures aux states."""
-    residual = None
+    """The pre-norm residual decoder stack shared by Llama and DeepSeek (LlamaDecoderLayer). Each
+    block's input norm runs here: it all-reduces the block before's MLP partial sums, adds them
+    to the residual stream and normalizes (one fused kernel under tensor parallelism where
+    model_ops.tp can), and the stream it yields is what EAGLE3 captures for that layer (after the
+    all-reduce, as the seed design says); the final norm closes the stack the same way."""
+    residual = hidden  # the embeddings: the stream entering layer 0
     for index, layer in enumerate(layers):
-        capture_aux(aux, index, hidden, residual)
-        hidden, residual = layer(hidden, residual, cos_sin, meta)
-    capture_aux(aux, len(layers), hidden, residual)
-    return norm.add_forward(hidden, residual)[0]
+        if index == 0:
+            normed = layer.input_layernorm(hidden)
+        else:
+            normed, residual = layer.input_layernorm.reduce_add_forward(hidden, residual)
+        if aux is not None:
+            aux.capture(index, residual)  # copies: the next norm updates the stream in place
+        hidden, residual = layer(normed, residual, cos_sin, meta)
+    normed, residual = norm.reduce_add_forward(hidden, residual)
+    if aux is not None:
+        aux.capture(len(layers), residual)
+    return normed
 
 
 class DecoderModel(nn.Module):

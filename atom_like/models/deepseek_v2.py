@@ -18,7 +18,6 @@ from transformers import PretrainedConfig
 from atom_like.loader.weights import NameRule, WeightMap
 from atom_like.models.base import DecoderModel, DecoderOnlyLM
 from atom_like.models.llama import LlamaDecoderLayer, LlamaMLP
-from model_ops import tp
 from model_ops.attention.metadata import AttentionMetadata
 from model_ops.attention.mla import MLAAttention
 from model_ops.embed_head import VocabEmbedding
@@ -85,7 +84,7 @@ class DeepseekV2Attention(MLAAttention):
     split by heads, o_proj is row-parallel (one all-reduce)."""
 
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, input_size: int | None = None,
-                 latent_norm_eps: float = 1e-6):
+                 latent_norm_eps: float = 1e-6, reduce_output: bool = True):
         num_heads = config.num_attention_heads
         super().__init__(num_heads, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
                          config.v_head_dim, mla_softmax_scale(config))
@@ -103,7 +102,8 @@ class DeepseekV2Attention(MLAAttention):
             self.q_proj = ColumnParallelLinear(width, num_heads * qk_head_dim, what=heads)
             self.kv_a_proj_with_mqa = Linear(width, kv_a_size, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, latent_norm_eps)
-        self.o_proj = RowParallelLinear(num_heads * config.v_head_dim, config.hidden_size, bias=bias, what=heads)
+        self.o_proj = RowParallelLinear(num_heads * config.v_head_dim, config.hidden_size, bias=bias,
+                                        reduce=reduce_output, what=heads)
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
@@ -131,7 +131,8 @@ def mla_packed_weights(config: PretrainedConfig) -> dict[str, tuple[str, int]]:
 class DeepseekV2MoE(nn.Module):
     """Routed experts weighted by the router, plus unscaled shared experts. Tensor parallel: the
     router is replicated, routed and shared experts are split along their intermediate dim and
-    their partial sums are reduced together, one all-reduce per layer.
+    their partial sums are returned together unreduced (LlamaDecoderLayer's contract: the next
+    norm all-reduces them, one all-reduce per layer).
 
     SharedExpertHost (model_ops.moe): one shared expert of the routed experts' size may be fused
     into them as expert E (`shared_slot`), when the quantization config gives it their format."""
@@ -147,7 +148,7 @@ class DeepseekV2MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x, self.shared_slot))
-        return tp.all_reduce(out if self.shared_experts is None else out + self.shared_experts(x))
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     # SharedExpertHost (model_ops.moe); the MLP's layers never have a bias here
     def fusable_shared_expert(self) -> tuple[nn.Module, list[nn.Module]] | None:
@@ -193,8 +194,9 @@ class DeepseekV2Model(DecoderModel):
         self.layers = nn.ModuleList()
         for index in range(config.num_hidden_layers):
             mlp = (DeepseekV2MoE(config, gating) if gating is not None and is_moe_layer(config, index)
-                   else LlamaMLP(config.hidden_size, config.intermediate_size))
-            self.layers.append(LlamaDecoderLayer(config, self.rotary, DeepseekV2Attention(config, self.rotary), mlp))
+                   else LlamaMLP(config.hidden_size, config.intermediate_size, reduce=False))
+            attention = DeepseekV2Attention(config, self.rotary, reduce_output=False)
+            self.layers.append(LlamaDecoderLayer(config, self.rotary, attention, mlp))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -42,8 +42,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, input_size: int | None = None):
-        """`input_size` differs from hidden_size only for EAGLE3 drafts (2H-wide input)."""
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, input_size: int | None = None,
+                 reduce_output: bool = True):
+        """`input_size` differs from hidden_size only for EAGLE3 drafts (2H-wide input);
+        `reduce_output=False` returns o_proj's partial sums (LlamaDecoderLayer reduces them in its norm)."""
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -52,7 +54,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(input_size or config.hidden_size, num_heads, num_kv_heads, self.head_dim, bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias=bias,
-                                        what="attention heads x head_dim")
+                                        reduce=reduce_output, what="attention heads x head_dim")
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
@@ -65,27 +67,31 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """A pre-norm residual block whose attention and MLP end in row-parallel layers left
+    unreduced: each partial sum is all-reduced by the norm after it, fused with the residual add
+    and the norm where model_ops.tp can (RMSNorm.reduce_add_forward). The input norm belongs to
+    the block but is applied by run_decoder_layers (atom_like.models.base), which reduces the
+    previous block's MLP output there and captures the residual stream it yields for EAGLE3."""
+
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, self_attn: nn.Module | None = None,
                  mlp: nn.Module | None = None):
-        """`self_attn` / `mlp` replace Llama's: DeepSeek reuses this block with MLA and MoE."""
+        """`self_attn` / `mlp` replace Llama's (DeepSeek reuses this block with MLA and MoE): both
+        must return unreduced partial sums (built with reduce_output / reduce False)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary) if self_attn is None else self_attn
+        self.self_attn = LlamaAttention(config, rotary, reduce_output=False) if self_attn is None else self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if mlp is None:
-            mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+            mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False),
+                           reduce=False)
         self.mlp = mlp
 
-    def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (layer output, residual stream before it); their sum is the next layer's input."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, meta)
-        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+    def forward(self, normed: torch.Tensor, residual: torch.Tensor, cos_sin: CosSin,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """`normed`: input_layernorm's output; returns (the MLP's partial sums, the residual stream
+        after attention); all-reduced, their sum is the next block's input stream."""
+        hidden = self.self_attn(normed, cos_sin, meta)
+        hidden, residual = self.post_attention_layernorm.reduce_add_forward(hidden, residual)
         return self.mlp(hidden), residual
 
 
