@@ -8,7 +8,8 @@ kv_lora L 512) with one TP8 rank's 8 heads and TP1's 64, T = 1, 4, 8 tokens a la
 Operands as attend passes them: q_nope a strided view of q [T, N, P + R], W_UK / W_UV views of
 kv_b_proj's weight, W_UK^T the copy MLAAttention.process_weights_after_loading makes. Times are
 triton.testing.do_bench medians (L2 flushed before each call, as a 61-layer decode step finds it),
-bmm including the transposed views' handling; also a few skinny_bmm configs around the default.
+bmm including the transposed views' handling; also a few skinny_bmm configs around the default;
+and bmm vs the default config replayed in a CUDA graph (do_bench_cudagraph, L2 warm), as decode runs them.
 Every kernel result is checked against the fp32 product first (relative error < 4e-3).
 
   python ci/bench_absorb.py [--out results.json]      (one NVIDIA GPU, well under a minute)
@@ -35,7 +36,7 @@ def _name(c: GemvConfig) -> str:
 
 
 def bench(heads: int, t: int, device: torch.device) -> list[dict]:
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
     g = torch.Generator(device=device).manual_seed(heads * 10 + t)
     kv_b = torch.randn(heads * (P + V), L, generator=g, device=device).mul_(0.05).bfloat16()
@@ -64,20 +65,24 @@ def bench(heads: int, t: int, device: torch.device) -> list[dict]:
             sweep[_name(config)] = 1e3 * do_bench(lambda: skinny_bmm(x, wk, config), warmup=10, rep=50)
         bmm_us = 1e3 * do_bench(bmm, warmup=10, rep=50)
         best = min(sweep, key=sweep.get)
+        # back to back in one CUDA graph, as a decode step replays them (no L2 flush: ~1 MB stays cached)
+        graph_us = {"bmm": 1e3 * do_bench_cudagraph(bmm, rep=50),
+                    "default": 1e3 * do_bench_cudagraph(lambda: skinny_bmm(x, wk, default), rep=50)}
         rows.append(dict(product=name, heads=heads, t=t, weight_bytes=wk.numel() * 2, bmm_us=bmm_us,
                          default=_name(default), default_us=sweep[_name(default)], best=best, best_us=sweep[best],
-                         sweep=sweep))
+                         graph_bmm_us=graph_us["bmm"], graph_default_us=graph_us["default"], sweep=sweep))
     return rows
 
 
 def markdown(rows: list[dict], device_name: str) -> str:
     lines = [f"MLA absorbed products, bf16, {device_name} (triton do_bench medians, L2 flushed)", "",
-             "| product | heads | T | weight KiB | bmm us | skinny_bmm default us (config) | best us (config) | speedup (default) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| product | heads | T | weight KiB | bmm us | skinny_bmm default us (config) | best us (config) | speedup (default) "
+             "| graph: bmm us | graph: default us |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['product']} | {r['heads']} | {r['t']} | {r['weight_bytes'] // 1024} | {r['bmm_us']:.2f} | "
                      f"{r['default_us']:.2f} ({r['default']}) | {r['best_us']:.2f} ({r['best']}) | "
-                     f"{r['bmm_us'] / r['default_us']:.2f}x |")
+                     f"{r['bmm_us'] / r['default_us']:.2f}x | {r['graph_bmm_us']:.2f} | {r['graph_default_us']:.2f} |")
     return "\n".join(lines)
 
 
