@@ -219,6 +219,10 @@ CASES: dict[str, Callable[[str], None]] = {
     "skinny GEMM, bench_roofline's sweep at M 1, 2, 4, 8": _skinny_sweep,
     "skinny GEMM fp32 out (router) M4 N384 K7168": lambda _: skinny_mod.skinny_gemm(_t(4, 7168), _t(384, 7168),
                                                                                    out_dtype=torch.float32),
+    **{f"skinny bmm MLA absorb Kimi {tp} T{t} {name}": (lambda _, t=t, h=h, n=n, k=k: skinny_mod.skinny_bmm(
+        _t(t, h, k), _t(h, n, k)))
+       for tp, h in (("TP8", 8), ("TP1", 64)) for t in (1, 4)
+       for name, n, k in (("W_UK^T", 512, 128), ("W_UV", 128, 512))},
     "MoE routing Kimi E384 top-8": lambda _: routing_mod.route_topk(_t(4, 384, dtype=torch.float32),
                                                                     _t(384, dtype=torch.float32), 8, sigmoid=True),
     "MoE routing DeepSeek-V3 E256 8 groups": lambda _: routing_mod.route_topk(

@@ -18,6 +18,10 @@ in a fixed summation order (deterministic run to run). Every decision is made fr
 the call is CUDA/HIP-graph capturable. For M > 8 use F.linear: the split-K tl.dot kernel this
 replaced beat cuBLAS only on the LM head at M = 16 (3%) on an H100.
 
+skinny_bmm is the same kernel over a grid axis of batch entries with their own strides: MLA's
+absorbed per-head products (W_UK, W_UV; model_ops.linear.dense_per_head), ~1 MB of weight a
+Kimi-K2.5 TP8 rank where each cuBLAS bmm launch cost 3-5 us of latency on an H200.
+
 model_ops.linear.dense takes it on NVIDIA GPUs for M <= FASTER_THAN_CUBLAS_UP_TO_M, where
 ci/bench_roofline.py (part `gemm`, a sweep of `GemvConfig`s against cuBLAS on the 8B projections)
 measured it faster; never run on AMD hardware, so ROCm keeps its GEMM library.
@@ -52,10 +56,12 @@ class GemvConfig:
     num_warps x 16 bytes of each row). Registers grow with block_n x the padded M: keep
     block_n x next_power_of_2(M) <= 64 (ci/compile_kernels.py checks for spills). There is no
     num_stages: Triton's software pipeliner leaves these loads alone (they feed no tl.dot; the
-    sm_90 SASS is the same for 1 and 3 stages), so latency is hidden by several programs an SM."""
+    sm_90 SASS is the same for 1 and 3 stages), so latency is hidden by several programs an SM.
+    `vector_bytes` below 16 shortens the step for rows that would leave lanes idle (skinny_bmm)."""
 
     block_n: int = 8
     num_warps: int = 4
+    vector_bytes: int = 16  # what a lane loads of a row per K step; less for rows too short to fill the lanes
 
 
 def default_config(m: int, n: int = 0, compute_units: int = 0, min_rows: int = 1) -> GemvConfig:
@@ -85,8 +91,9 @@ FASTER_THAN_CUBLAS_UP_TO_M = 4  # same sweep: faster than cuBLAS on all five sha
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K,
     stride_xm: tl.int64, stride_wn: tl.int64, stride_ym: tl.int64,
+    stride_xb: tl.int64, stride_wb: tl.int64, stride_yb: tl.int64,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
-    SWIGLU: tl.constexpr, PDL: tl.constexpr,
+    SWIGLU: tl.constexpr, BATCHED: tl.constexpr, PDL: tl.constexpr,
 ):
     # Tiles are [LANES, BLOCK_N or 1, 1 or BLOCK_M, VEC] with k = lane * VEC + v. Only the VEC axis
     # is contiguous in memory, so Triton gives it to one lane (a 16-byte vector), spreads the lane
@@ -95,6 +102,11 @@ def _gemv_kernel(
     # broadcast product and the VEC sum never leave the lane.
     wait_for_previous_kernel(PDL)
     BLOCK_K: tl.constexpr = LANES * VEC
+    if BATCHED:  # grid axis 1: skinny_bmm's batch entry (a head); skinny_gemm's code stays as it was measured
+        batch = tl.program_id(1).to(tl.int64)
+        x_ptr += batch * stride_xb
+        w_ptr += batch * stride_wb
+        y_ptr += batch * stride_yb
     if SWIGLU:
         # N outputs from 2N weight rows [gate; up]: a program's rows alternate gate j, up j, so the
         # epilogue finds each output's two dot products side by side
@@ -156,18 +168,72 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = No
     if swiglu and n % 2:
         raise ValueError(f"w has shape {tuple(w.shape)}: swiglu needs an even row count ([gate; up])")
     config = config or default_config(m, n, num_compute_units(x.device), 2 if swiglu else 1)
+    _check_config(config, swiglu)
+    y = torch.empty(m, n // 2 if swiglu else n, dtype=out_dtype or x.dtype, device=x.device)
+    _launch(x, w, y, m, n, k, 1, (x.stride(0), w.stride(0), y.stride(0)), None, config, swiglu)
+    return y
+
+
+def default_bmm_config(m: int, batch: int, n: int, k: int, element_size: int, compute_units: int = 0) -> GemvConfig:
+    """skinny_bmm's launch shape: the lanes of a program span one K step that fits in K (MLA's
+    heads are short rows: 512 or 128 values), so no lane idles on a masked tail: 16-byte vectors
+    and up to 8 warps, or one warp of shorter vectors (down to 4 bytes) for rows under 512 bytes.
+    Rows a program as default_config picks them, over all batch x n rows."""
+    row_bytes = k * element_size
+    warps = max(1, min(8, row_bytes // (32 * 16)))
+    vector = 16 if row_bytes >= 32 * 16 else max(4, 1 << (max(row_bytes // 32, 1).bit_length() - 1))
+    rows = 4
+    while rows > 1 and batch * triton.cdiv(n, rows) < compute_units:
+        rows //= 2
+    return GemvConfig(block_n=rows, num_warps=warps, vector_bytes=vector)
+
+
+def skinny_bmm(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """Per batch entry b: y[:, b] = x[:, b] @ w[b]^T, for x [M, B, K] (M <= MAX_M), w [B, N, K]
+    -> y [M, B, N] in x's dtype (contiguous), fp32 accumulation, one launch (grid axis 1 is b).
+    x and w are read through their strides (unit stride on K only): MLA's per-head absorption
+    products take q_nope / the attention output straight from their [tokens, heads, dim] views
+    and write the [tokens, heads, dim] layout the next op reads, with no transposing copies."""
+    check_tensor("x", x, 3, SUPPORTED_DTYPES)
+    check_tensor("w", w, 3, (x.dtype,))
+    check_dim("w", w, 0, x.shape[1], "x's batch dim 1")
+    check_dim("w", w, 2, x.shape[2], "x's inner dim")
+    check_same_device(x=x, w=w)
+    m, batch, k = x.shape
+    n = w.shape[1]
+    if m > MAX_M:
+        raise ValueError(f"x has {m} rows: skinny_bmm takes at most {MAX_M} (use torch.bmm)")
+    config = config or default_bmm_config(m, batch, n, k, x.element_size(), num_compute_units(x.device))
+    _check_config(config, False)
+    y = torch.empty(m, batch, n, dtype=x.dtype, device=x.device)
+    _launch(x, w, y, m, n, k, batch, (x.stride(0), w.stride(1), y.stride(0)), (x.stride(1), w.stride(0), y.stride(1)),
+            config, False)
+    return y
+
+
+def _check_config(config: GemvConfig, swiglu: bool) -> None:
     if config.block_n < 1 or config.block_n & (config.block_n - 1) or swiglu and config.block_n < 2:
         raise ValueError(f"GemvConfig.block_n must be a power of two{' >= 2 with swiglu' if swiglu else ''}, "
                          f"got {config.block_n}")
     if config.num_warps not in NUM_WARPS:
         raise ValueError(f"GemvConfig.num_warps must be one of {NUM_WARPS}, got {config.num_warps}")
+    if config.vector_bytes not in (4, 8, 16):
+        raise ValueError(f"GemvConfig.vector_bytes must be 4, 8 or 16, got {config.vector_bytes}")
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, m: int, n: int, k: int, batch: int,
+            row_strides: tuple[int, int, int], batch_strides: tuple[int, int, int] | None, config: GemvConfig,
+            swiglu: bool) -> None:
+    """One launch over cdiv(n, block_n) x batch programs; `n` counts weight rows (2 I with swiglu);
+    `batch_strides` (x, w, y) None: one unbatched product."""
     n_out = n // 2 if swiglu else n
-    y = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
-    if m and n_out:
-        warp_size = 64 if IS_HIP else 32  # the tile layout needs one lane per LANES entry (CDNA: wave64)
-        _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-            x, w, y, m, n_out, k, x.stride(0), w.stride(0), y.stride(0),
-            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, LANES=warp_size * config.num_warps,
-            VEC=16 // x.element_size(), SWIGLU=swiglu, num_warps=config.num_warps, **pdl.launch_args(x.device),
-        )
-    return y
+    if not (m and n_out and batch):
+        return
+    warp_size = 64 if IS_HIP else 32  # the tile layout needs one lane per LANES entry (CDNA: wave64)
+    _gemv_kernel[(triton.cdiv(n, config.block_n), batch)](
+        x, w, y, m, n_out, k, *row_strides, *(batch_strides or (0, 0, 0)),
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, LANES=warp_size * config.num_warps,
+        VEC=max(1, config.vector_bytes // x.element_size()), SWIGLU=swiglu, BATCHED=batch_strides is not None,
+        num_warps=config.num_warps,
+        **pdl.launch_args(x.device),
+    )

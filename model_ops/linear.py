@@ -88,6 +88,24 @@ def _gemv_for(x: torch.Tensor, weight: torch.Tensor, fp32_out: bool = False) -> 
     return None
 
 
+def gemv_weight(weight: torch.Tensor) -> bool:
+    """Whether decode-sized products with `weight` run the GEMV kernel (16-bit, on an NVIDIA GPU):
+    a layer keeps a copy of a weight in the kernel's layout only where this holds."""
+    return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and _gemv() is not None
+
+
+def dense_per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H, K] times each head's weight [H, N, K] transposed -> [T, H, N] (MLA's absorbed
+    W_UK / W_UV products). Up to the GEMV kernel's 8 rows on an NVIDIA GPU with a 16-bit weight
+    whose rows are contiguous: one launch reading x through its strides, ~1 MB of weight a layer
+    a Kimi-K2.5 TP8 rank, where cuBLAS's bmm spent 4.7 and 2.8 us of latency (H200);
+    everything else, and every CPU product (the exact reference), is torch.bmm."""
+    if (x.is_cuda and x.dtype == weight.dtype and gemv_weight(weight) and x.shape[0] <= _gemv().MAX_M
+            and x.stride(-1) == 1 and weight.stride(-1) == 1):
+        return _gemv().skinny_bmm(x, weight)
+    return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+
+
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b). Decode-sized products on an NVIDIA GPU run the GEMV kernel, 5-13% faster than
     cuBLAS on every Llama-3.1-8B projection and the LM head on an H100 (docs/benchmarks.md

@@ -23,7 +23,7 @@ from model_ops import tp
 from model_ops.attention.backends import AttentionKind, MLABackend
 from model_ops.attention.layer import CachedAttention, Rope
 from model_ops.attention.metadata import AttentionMetadata
-from model_ops.linear import ColumnParallelLinear
+from model_ops.linear import ColumnParallelLinear, dense_per_head, gemv_weight
 
 # Steps whose longest query run is at most this take the absorbed form: decode (1 row) and
 # speculative verification (k + 1 rows) always do, so those steps never expand the context and
@@ -51,6 +51,10 @@ class MLAAttention(CachedAttention):
         self.scale = scale
         self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
                                               what="kv_b_proj rows (num_attention_heads x (qk_nope_head_dim + v_head_dim))")
+        # W_UK per head transposed ([N, L, P], P contiguous), made after loading where the absorbed
+        # products run the GEMV kernel, which reads weight rows along the summed dim; None: W_UK's view
+        # (a buffer, so it moves with the module; not in the state dict)
+        self.register_buffer("w_uk_t", None, persistent=False)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
@@ -59,6 +63,17 @@ class MLAAttention(CachedAttention):
         """W_UK [N, P, L] and W_UV [N, V, L]: views of kv_b_proj, no copies."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+    # ProcessedAfterLoading (atom_like.loader.weights)
+    def process_weights_after_loading(self) -> None:
+        """On the GEMV kernel's devices, a K-major copy of W_UK: q_nope . W_UK per head sums over
+        W_UK's rows (P), but the kernel's loads run along its weight rows, so it takes W_UK^T
+        [N, L, P]. It costs N x L x P x 2 bytes a layer: 1 MiB at Kimi-K2.5 TP8 (8 heads; 61 MiB
+        for 61 layers), 8 MiB at TP1. The alternative, a K-major kernel variant, would need q_nope
+        (contiguous along P) and the weight tile (contiguous along L) in different register
+        layouts: a shuffle through shared memory every K step for a ~1 MiB read."""
+        w_uk, _ = self._w_uk_uv()
+        self.w_uk_t = w_uk.transpose(1, 2).contiguous() if gemv_weight(w_uk) else None
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent rows [..., L] -> (k_nope [..., N, P], v [..., N, V])."""
@@ -83,9 +98,10 @@ class MLAAttention(CachedAttention):
             absorbed = meta.max_query_len <= ABSORBED_MAX_QUERY_LEN
         if absorbed:
             w_uk, w_uv = self._w_uk_uv()
-            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, N, L]
+            w_uk_t = w_uk.transpose(1, 2) if self.w_uk_t is None else self.w_uk_t
+            q_latent = dense_per_head(q_nope, w_uk_t)  # [T, N, L]
             out_latent = backend.attend_absorbed(q_latent, q_pe, cache, meta, self.scale, self.kv_scales)
-            out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, N, V]
+            out = dense_per_head(out_latent, w_uv)  # [T, N, V]
         else:
             out = backend.attend_expanded(q_nope, q_pe, cache, meta, self.scale, self.expand, self.kv_scales)
         return out.flatten(1)

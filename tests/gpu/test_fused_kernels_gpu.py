@@ -1,6 +1,7 @@
 """The decode-path fusions compiled, in bf16, at Llama-3.1-8B / Kimi sizes (needs a CUDA or ROCm GPU):
 rope + KV write (MHA 32/8 heads D=128; MLA 64 heads, L=512, R=64; bf16 and fp8 caches), SiLU-and-mul
-(I=14336) and the GEMV-style skinny GEMM (M <= 8), each against the eager ops it replaces on the same inputs.
+(I=14336), the GEMV-style skinny GEMM (M <= 8) and its per-head form for MLA's absorbed W_UK / W_UV
+products (Kimi TP8 and TP1 heads), each against the eager ops it replaces on the same inputs.
 
 The rope kernel computes x * cos + r * sin in fp32 and rounds once (the compiler also contracts it
 into a fused multiply-add), where the eager ops round each product and the sum to bf16: on an H100
@@ -19,8 +20,10 @@ from transformers import LlamaConfig
 
 from kernels_rocm.activation import silu_and_mul
 from kernels_rocm.rope_kv_cache import rope_write_kv_cache, rope_write_mla_kv_cache
-from kernels_rocm.skinny_gemm import skinny_gemm
+from kernels_rocm.skinny_gemm import skinny_bmm, skinny_gemm
 from model_ops.attention import torch_ref
+from model_ops.attention.mla import MLAAttention
+from model_ops.linear import dense_per_head
 from model_ops.quant.fp8 import quantize_fp8
 from model_ops.rotary import RotaryEmbedding
 
@@ -135,6 +138,34 @@ def test_skinny_gemm_swiglu_epilogue(m):
     fused = skinny_gemm(x, w, swiglu=True)
     assert fused.shape == (m, 14336)
     assert torch.equal(fused, silu_and_mul(skinny_gemm(x, w)))
+
+
+@pytest.mark.parametrize("t", [1, 4, 8])
+@pytest.mark.parametrize("heads", [8, 64], ids=["kimi_tp8", "kimi_tp1"])
+def test_mla_absorption_products(t, heads):
+    """MLAAttention's absorbed products at Kimi's dims (P 128, R 64, V 128, L 512) on the layer's own
+    operands: W_UK^T made by process_weights_after_loading on NVIDIA, q_nope a strided view of q.
+    Through dense_per_head (the kernel on NVIDIA, bmm on ROCm): within one bf16 ulp of the fp32
+    product, bit-identical run to run, and the kernel's layouts [T, N, L] / [T, N, V] as attend reads them."""
+    g = torch.Generator().manual_seed(30 + t)
+    layer = MLAAttention(heads, 512, 128, 64, 128, 0.1)
+    layer.kv_b_proj.weight.data = torch.randn(heads * 256, 512, generator=g) * 0.05
+    layer.to(DEVICE, DT).process_weights_after_loading()
+    w_uk, w_uv = layer._w_uk_uv()
+    nvidia = torch.version.hip is None
+    assert (layer.w_uk_t is not None) == nvidia  # the GEMV kernel never ran on AMD: ROCm keeps bmm
+    q_nope = torch.randn(t, heads, 192, generator=g).to(DEVICE, DT)[..., :128]
+    out_latent = torch.randn(t, heads, 512, generator=g).to(DEVICE, DT)
+    w_uk_t = layer.w_uk_t if nvidia else w_uk.transpose(1, 2)
+    for x, w, ref in ((q_nope, w_uk_t, torch.bmm(q_nope.transpose(0, 1).float(), w_uk.float())),
+                      (out_latent, w_uv, torch.bmm(out_latent.transpose(0, 1).float(), w_uv.float().transpose(1, 2)))):
+        ref = ref.transpose(0, 1)
+        out = dense_per_head(x, w)
+        assert out.shape == ref.shape and out.dtype == DT
+        assert ((out.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-4).all()
+        assert torch.equal(out, dense_per_head(x, w))
+        if nvidia:
+            assert torch.equal(out, skinny_bmm(x, w))  # dense_per_head took the kernel
 
 
 def test_greedy_tokens_is_argmax_with_its_ties():
