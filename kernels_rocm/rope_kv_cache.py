@@ -10,7 +10,8 @@ Two front ends share the kernel:
 - MHA/GQA: q [T, Hq, D] and key [T, Hkv, D] rotated over the whole head dim; value [T, Hkv, Dv]
   copied; caches [num_blocks, block_size, Hkv, D*].
 - MLA: q_pe [T, N, R] rotated; the latent row [c_kv (L) | rope(k_pe) (R)] stored into
-  kv_cache [num_blocks, block_size, L + R] (the rope part is a column-offset view, one "head").
+  kv_cache [num_blocks, block_size, L + R] (the rope part is a column-offset view, one "head"),
+  optionally with c_kv RMS-normalized on the way (DeepSeek's kv_a_layernorm: one launch fewer a layer).
 
 Rotation follows model_ops.rotary exactly: the neox layout pairs (i, i + R/2), the interleaved
 (DeepSeek) layout pairs (2i, 2i + 1), and both emit [x1 cos - x2 sin | x2 cos + x1 sin]. Each
@@ -66,7 +67,7 @@ def _rope_write_kernel(
     slot_mapping_ptr, cos_ptr, sin_ptr,
     q_ptr, q_out_ptr,
     k_ptr, k_cache_ptr, k_scale_ptr,
-    v_ptr, v_cache_ptr, v_scale_ptr,
+    v_ptr, v_cache_ptr, v_scale_ptr, norm_weight_ptr, norm_eps,
     stride_cos_t: tl.int64, stride_sin_t: tl.int64,
     stride_q_t: tl.int64, stride_q_h: tl.int64, stride_q_out_t: tl.int64, stride_q_out_h: tl.int64,
     stride_k_t: tl.int64, stride_k_h: tl.int64, stride_v_t: tl.int64, stride_v_h: tl.int64,
@@ -76,7 +77,7 @@ def _rope_write_kernel(
     KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     DIM_V: tl.constexpr, DIM_V_PAD: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -113,15 +114,27 @@ def _rope_write_kernel(
 
         dims_v = tl.arange(0, DIM_V_PAD)
         v_mask = head_valid[:, None] & (dims_v < DIM_V)[None, :]
-        v_rows = tl.load(v_ptr + token * stride_v_t + kv_heads[:, None] * stride_v_h + dims_v[None, :], mask=v_mask)
+        v_rows = tl.load(v_ptr + token * stride_v_t + kv_heads[:, None] * stride_v_h + dims_v[None, :], mask=v_mask,
+                         other=0.0)
+        if NORM:
+            # RMSNorm of each value row, rounded as kernels_rocm.rms_norm rounds: fp32 statistics,
+            # the normalized row rounded to the activation dtype, times the weight, rounded again
+            DTYPE = v_ptr.dtype.element_ty
+            v32 = v_rows.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(v32 * v32, axis=1) / DIM_V + norm_eps)
+            normed = (v32 * rstd[:, None]).to(DTYPE).to(tl.float32)
+            weight = tl.load(norm_weight_ptr + dims_v, mask=dims_v < DIM_V, other=0.0).to(tl.float32)
+            v_rows = (normed * weight[None, :]).to(DTYPE)
         v_dst = (v_cache_ptr + block * stride_vc_blk + offset_in_block * stride_vc_tok
                  + kv_heads[:, None] * stride_vc_h + dims_v[None, :])
         _store_rows(v_rows, v_dst, v_mask, v_scale_ptr, FP8, FP8_MAX, MIN_NORMAL_EXP, SIGNED_ZERO)
 
 
-def _launch(slot_mapping, cos, sin, q, key, k_cache, k_scale, value, v_cache, v_scale, interleaved) -> torch.Tensor:
+def _launch(slot_mapping, cos, sin, q, key, k_cache, k_scale, value, v_cache, v_scale, interleaved,
+            norm_weight=None, norm_eps=0.0) -> torch.Tensor:
     """q [T, Hq, R], key [T, Hkv, R], value [T, Hkv, Dv]; caches [NB, BS, Hkv, *] (maybe
-    column-offset views); returns the rotated q [T, Hq, R] (contiguous)."""
+    column-offset views); returns the rotated q [T, Hq, R] (contiguous). `norm_weight` [Dv]: the
+    value rows are RMS-normalized (eps `norm_eps`) before they are stored."""
     num_tokens, q_heads, rot = q.shape
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
@@ -134,7 +147,8 @@ def _launch(slot_mapping, cos, sin, q, key, k_cache, k_scale, value, v_cache, v_
         slot_mapping, cos, sin,
         q, q_out,
         key, k_cache, k_scale_,
-        value, v_cache, v_scale_,
+        # without the norm its arguments go as None (constexpr): the plain write compiles as before
+        value, v_cache, v_scale_, norm_weight, norm_eps if norm_weight is not None else None,
         cos.stride(0), sin.stride(0),
         q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -144,7 +158,7 @@ def _launch(slot_mapping, cos, sin, q, key, k_cache, k_scale, value, v_cache, v_
         KV_HEADS=kv_heads, KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
         HALF=rot // 2, HALF_PAD=triton.next_power_of_2(rot // 2),
         DIM_V=dim_v, DIM_V_PAD=triton.next_power_of_2(dim_v),
-        INTERLEAVED=interleaved, BLOCK_SIZE=k_cache.shape[1],
+        INTERLEAVED=interleaved, BLOCK_SIZE=k_cache.shape[1], NORM=norm_weight is not None,
         FP8=fp8, FP8_MAX=fp8_max(k_cache.dtype) if fp8 else 0.0,
         MIN_NORMAL_EXP=-7 if k_cache.dtype == torch.float8_e4m3fnuz else -6,
         SIGNED_ZERO=k_cache.dtype != torch.float8_e4m3fnuz,
@@ -214,10 +228,16 @@ def rope_write_mla_kv_cache(
     slot_mapping: torch.Tensor,
     interleaved: bool = True,
     scale: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Rotate q_pe [T, N, R] and k_pe [T, R] by cos/sin [T, R/2]; write latent rows
     [c_kv [T, L] | rope(k_pe)] into kv_cache [NB, BS, L + R] at `slot_mapping` [T] int64
-    (-1 = skip). Returns the rotated q_pe [T, N, R]. An fp8 cache takes `scale` (whole row)."""
+    (-1 = skip). Returns the rotated q_pe [T, N, R]. An fp8 cache takes `scale` (whole row).
+
+    With `norm_weight` [L], the row written is [rms_norm(c_kv, norm_weight, norm_eps) | rope(k_pe)],
+    rounded exactly as kernels_rocm.rms_norm then this write (an fp8 cache quantizes the rounded
+    norm): DeepSeek's kv_a_layernorm, whose only consumer is this write, without a launch of its own."""
     _check_rope(q_pe, cos, sin, slot_mapping, "q_pe")
     check_tensor("c_kv", c_kv, 2, SUPPORTED_DTYPES)
     check_tensor("k_pe", k_pe, 2, (q_pe.dtype,))
@@ -228,8 +248,12 @@ def rope_write_mla_kv_cache(
     latent = c_kv.shape[1]
     check_dim("kv_cache", kv_cache, 2, latent + k_pe.shape[1], "c_kv width + k_pe width")
     check_kv_scale("scale", scale, "kv_cache", kv_cache)
-    check_same_device(q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, kv_cache=kv_cache, cos=cos, sin=sin, slot_mapping=slot_mapping)
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, 1, SUPPORTED_DTYPES)
+        check_dim("norm_weight", norm_weight, 0, latent, "c_kv width")
+    check_same_device(q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, kv_cache=kv_cache, cos=cos, sin=sin, slot_mapping=slot_mapping,
+                      norm_weight=norm_weight)
     # one kv "head" per token: the rope part is a column-offset view of the latent rows
     return _launch(slot_mapping, cos, sin, q_pe,
                    k_pe.unsqueeze(1), kv_cache[..., latent:].unsqueeze(2), scale,
-                   c_kv.unsqueeze(1), kv_cache[..., :latent].unsqueeze(2), scale, interleaved)
+                   c_kv.unsqueeze(1), kv_cache[..., :latent].unsqueeze(2), scale, interleaved, norm_weight, norm_eps)

@@ -12,6 +12,7 @@ from test_kernels_fp8_kv import FP8, IDS, _fp8_cache, _rows, _same_bits, _write_
 from test_kernels_kv_cache import _slots, assert_guards_untouched, guarded
 from transformers import LlamaConfig
 
+from kernels_rocm.rms_norm import rms_norm
 from kernels_rocm.rope_kv_cache import rope_write_kv_cache, rope_write_mla_kv_cache
 from model_ops.attention import torch_ref
 from model_ops.rotary import RotaryEmbedding
@@ -126,6 +127,41 @@ def test_rope_write_mla_fp8(dtype):
 
     rope_write_mla_kv_cache(q_pe, c_kv, k_pe, kv_cache, cos, sin, slots, scale=scale)
     assert _same_bits(kv_cache, expected)
+
+
+@pytest.mark.parametrize("case", [(torch.bfloat16, None), (torch.float32, None), *((torch.bfloat16, d) for d in FP8)],
+                         ids=["bf16", "fp32", *(f"bf16_{i}" for i in IDS)])
+def test_rope_write_mla_fused_latent_norm(case):
+    """The fused kv_a_layernorm: the row written is bit for bit the one kernels_rocm.rms_norm then the
+    unfused write store (the norm's rounding to the activation dtype, then the cache's: fp8 quantizes
+    the rounded norm). L 40 is no power of two (a masked norm); random weights; slots -1 skipped."""
+    dtype, fp8 = case
+    g = torch.Generator().manual_seed(12)
+    tokens, heads, latent, rope, eps = 9, 3, 40, 16, 1e-5
+    rotary = _rotary(rope, True)
+    cos, sin = _cos_sin(rotary, tokens, dtype, g)
+    q_pe = torch.randn(tokens, heads, rope, generator=g).to(dtype)
+    c_kv, k_pe = (torch.randn(tokens, latent + rope, generator=g) * 3).to(dtype).split([latent, rope], dim=-1)
+    weight = torch.randn(latent, generator=g).to(dtype)
+    slots = _slots(tokens, NUM_BLOCKS, BLOCK_SIZE, g, skip=(2, 7))
+    scale = torch.tensor([0.043]) if fp8 else None
+    if fp8:
+        pool = _fp8_cache((NUM_BLOCKS + 2, BLOCK_SIZE, latent + rope), fp8, scale, g)
+    else:
+        pool = torch.randn(NUM_BLOCKS + 2, BLOCK_SIZE, latent + rope, generator=g).to(dtype)
+    kv_cache, before, expected = pool[1:-1], pool.clone(), pool.clone()[1:-1]
+
+    q_expected = rope_write_mla_kv_cache(q_pe, rms_norm(c_kv, weight, eps), k_pe, expected, cos, sin, slots, scale=scale)
+    q_out = rope_write_mla_kv_cache(q_pe, c_kv, k_pe, kv_cache, cos, sin, slots, scale=scale, norm_weight=weight,
+                                    norm_eps=eps)
+    assert torch.equal(q_out, q_expected)
+    assert _same_bits(kv_cache, expected)
+    assert_guards_untouched(pool.view(torch.uint8), before.view(torch.uint8))
+    # the rows written hold the norm (to the fp8 step), not c_kv
+    written = slots >= 0
+    stored = kv_cache.flatten(0, 1)[slots[written], :latent].float() * (float(scale) if fp8 else 1.0)
+    ref = torch.nn.functional.rms_norm(c_kv[written].float(), (latent,), weight.float(), eps)
+    torch.testing.assert_close(stored, ref, atol=0.1 if fp8 else 0.05, rtol=0.07 if fp8 else 0.01)
 
 
 def test_padding_rows_write_nothing_but_rotate_q():
