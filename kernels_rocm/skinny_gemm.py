@@ -88,12 +88,19 @@ FASTER_THAN_CUBLAS_UP_TO_M = 4  # same sweep: faster than cuBLAS on all five sha
 
 
 @triton.jit
+def _normalize(x, rstd, weight, x_ptr):
+    """weight * (x * rstd) in fp32, each product rounded to x's dtype (`x_ptr`'s element type)."""
+    DTYPE = x_ptr.dtype.element_ty
+    return ((x * rstd).to(DTYPE).to(tl.float32) * weight.to(tl.float32)).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, K,
+    x_ptr, w_ptr, y_ptr, norm_weight_ptr, norm_eps, M, N, K,
     stride_xm: tl.int64, stride_wn: tl.int64, stride_ym: tl.int64,
     stride_xb: tl.int64, stride_wb: tl.int64, stride_yb: tl.int64,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
-    SWIGLU: tl.constexpr, BATCHED: tl.constexpr, PDL: tl.constexpr,
+    SWIGLU: tl.constexpr, BATCHED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     # Tiles are [LANES, BLOCK_N or 1, 1 or BLOCK_M, VEC] with k = lane * VEC + v. Only the VEC axis
     # is contiguous in memory, so Triton gives it to one lane (a 16-byte vector), spreads the lane
@@ -122,16 +129,32 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows[None, :, None, None] * stride_wn + rk  # [LANES, BLOCK_N, 1, VEC]
     x_ptrs = x_ptr + rm[None, None, :, None].to(tl.int64) * stride_xm + rk  # [LANES, 1, BLOCK_M, VEC]
     m_valid = (rm < M)[None, None, :, None]
-    acc = tl.zeros((LANES, BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_full = (K // BLOCK_K) * BLOCK_K  # written so that K - k_full keeps K's divisibility (vector masks)
+    if NORM:
+        # RMSNorm prologue: every program reads its x rows whole once more (M x K, from L2) for their
+        # sums of squares, then normalizes each x vector as it is loaded, rounded as
+        # kernels_rocm.rms_norm rounds (normalized row to x's dtype, times the weight, again)
+        squares = tl.zeros((LANES, 1, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, k_full, BLOCK_K):
+            x = tl.load(x_ptrs + k0, mask=m_valid, other=0.0).to(tl.float32)
+            squares += tl.sum(x * x, axis=3)
+        if k_full < K:
+            x = tl.load(x_ptrs + k_full, mask=m_valid & (rk < K - k_full), other=0.0).to(tl.float32)
+            squares += tl.sum(x * x, axis=3)
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + norm_eps)[None, :, :, None]  # [1, 1, BLOCK_M, 1]
+    acc = tl.zeros((LANES, BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, k_full, BLOCK_K):
         w = tl.load(w_ptrs + k0).to(tl.float32)
         x = tl.load(x_ptrs + k0, mask=m_valid, other=0.0).to(tl.float32)
+        if NORM:
+            x = _normalize(x, rstd, tl.load(norm_weight_ptr + rk + k0), x_ptr)
         acc += tl.sum(x * w, axis=3)
     if k_full < K:
         k_valid = rk < K - k_full
         w = tl.load(w_ptrs + k_full, mask=k_valid, other=0.0).to(tl.float32)
         x = tl.load(x_ptrs + k_full, mask=m_valid & k_valid, other=0.0).to(tl.float32)
+        if NORM:
+            x = _normalize(x, rstd, tl.load(norm_weight_ptr + rk + k_full, mask=k_valid, other=0.0), x_ptr)
         acc += tl.sum(x * w, axis=3)
     out = tl.sum(acc, axis=0)  # [BLOCK_N, BLOCK_M]: the one cross-lane reduction
     dtype = y_ptr.dtype.element_ty
@@ -147,17 +170,24 @@ def _gemv_kernel(
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
-                swiglu: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                swiglu: bool = False, out_dtype: torch.dtype | None = None,
+                norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
     """x [M, K] (M <= MAX_M) times w [N, K]^T -> [M, N] in x's dtype, fp32 accumulation, one launch.
     `config` None takes default_config. `swiglu`: w is a merged [gate; up] projection [2I, K] and
     the result is silu(gate) * up [M, I], rounded exactly as the product followed by
     kernels_rocm.activation.silu_and_mul (one kernel and one [M, 2I] round trip fewer).
     `out_dtype` torch.float32 keeps the fp32 sums unrounded (a MoE router's logits: the product
-    F.linear(x.float(), w.float()) computes, without an fp32 copy of w)."""
+    F.linear(x.float(), w.float()) computes, without an fp32 copy of w).
+    `norm_weight` [K]: x is RMS-normalized first (eps `norm_eps`), each row over its whole K in
+    every program, rounded as kernels_rocm.rms_norm rounds: the product of rms_norm(x) and w
+    without the norm's launch (DeepSeek's q_a_layernorm before q_b_proj)."""
     check_tensor("x", x, 2, SUPPORTED_DTYPES)
     check_tensor("w", w, 2, (x.dtype,))
     check_dim("w", w, 1, x.shape[1], "x's inner dim")
-    check_same_device(x=x, w=w)
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, 1, SUPPORTED_DTYPES)
+        check_dim("norm_weight", norm_weight, 0, x.shape[1], "x's inner dim")
+    check_same_device(x=x, w=w, norm_weight=norm_weight)
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_M:
@@ -170,7 +200,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = No
     config = config or default_config(m, n, num_compute_units(x.device), 2 if swiglu else 1)
     _check_config(config, swiglu)
     y = torch.empty(m, n // 2 if swiglu else n, dtype=out_dtype or x.dtype, device=x.device)
-    _launch(x, w, y, m, n, k, 1, (x.stride(0), w.stride(0), y.stride(0)), None, config, swiglu)
+    _launch(x, w, y, m, n, k, 1, (x.stride(0), w.stride(0), y.stride(0)), None, config, swiglu, norm_weight, norm_eps)
     return y
 
 
@@ -223,17 +253,19 @@ def _check_config(config: GemvConfig, swiglu: bool) -> None:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, m: int, n: int, k: int, batch: int,
             row_strides: tuple[int, int, int], batch_strides: tuple[int, int, int] | None, config: GemvConfig,
-            swiglu: bool) -> None:
+            swiglu: bool, norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0) -> None:
     """One launch over cdiv(n, block_n) x batch programs; `n` counts weight rows (2 I with swiglu);
-    `batch_strides` (x, w, y) None: one unbatched product."""
+    `batch_strides` (x, w, y) None: one unbatched product; `norm_weight`: the RMSNorm prologue."""
     n_out = n // 2 if swiglu else n
     if not (m and n_out and batch):
         return
     warp_size = 64 if IS_HIP else 32  # the tile layout needs one lane per LANES entry (CDNA: wave64)
     _gemv_kernel[(triton.cdiv(n, config.block_n), batch)](
-        x, w, y, m, n_out, k, *row_strides, *(batch_strides or (0, 0, 0)),
+        # without the norm its arguments go as None (constexpr): the plain GEMV compiles as before
+        x, w, y, norm_weight, norm_eps if norm_weight is not None else None, m, n_out, k,
+        *row_strides, *(batch_strides or (0, 0, 0)),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, LANES=warp_size * config.num_warps,
         VEC=max(1, config.vector_bytes // x.element_size()), SWIGLU=swiglu, BATCHED=batch_strides is not None,
-        num_warps=config.num_warps,
+        NORM=norm_weight is not None, num_warps=config.num_warps,
         **pdl.launch_args(x.device),
     )

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels_rocm.activation import silu_and_mul
+from kernels_rocm.rms_norm import rms_norm
 from kernels_rocm.skinny_gemm import MAX_M, GemvConfig, default_config, skinny_gemm
 
 CONFIGS = [GemvConfig(block_n=4, num_warps=1), GemvConfig(block_n=8, num_warps=2), None]
@@ -80,6 +81,32 @@ def test_fp32_output_of_bf16_operands(m):
     assert not torch.equal(out, out.bfloat16().float())  # really unrounded
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("config", [GemvConfig(block_n=4, num_warps=1), GemvConfig(block_n=8, num_warps=2)],
+                         ids=["4x1", "8x2"])
+def test_rms_norm_prologue_equals_rms_norm_then_gemm(dtype, m, config):
+    """norm_weight: the product of kernels_rocm.rms_norm(x) and w. The normalized x can differ from the
+    norm kernel's only through the sum of squares' order (a last-bit difference of the fp32 rstd), so
+    fp32 is equal to tolerance and bf16 within one ulp of the unfused result. x rows are strided views
+    at very different scales (the norm matters); K 389 leaves a masked tail."""
+    g = torch.Generator().manual_seed(21 + m)
+    n, k, eps = 37, 389, 1e-5
+    x = (torch.randn(m, k + 4, generator=g) * torch.logspace(-2, 2, m).unsqueeze(1)).to(dtype)[:, :k]
+    w = torch.randn(n, k, generator=g).to(dtype)
+    weight = (1 + torch.randn(k, generator=g) * 0.3).to(dtype)
+    fused = skinny_gemm(x, w, config, norm_weight=weight, norm_eps=eps)
+    unfused = skinny_gemm(rms_norm(x, weight, eps), w, config)
+    assert fused.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, unfused, atol=1e-4, rtol=1e-5)
+    else:
+        ulp = torch.finfo(dtype).eps * unfused.float().abs().clamp_min(1.0)
+        assert ((fused.float() - unfused.float()).abs() <= ulp).all()
+    expected = F.linear(F.rms_norm(x.float(), (k,), weight.float(), eps), w.float())
+    torch.testing.assert_close(fused.float(), expected, atol=0.3 if dtype == torch.bfloat16 else 1e-4, rtol=2e-2)
+
+
 def test_empty_shapes():
     x = torch.randn(2, 0)
     assert torch.equal(skinny_gemm(x, torch.randn(5, 0)), torch.zeros(2, 5))
@@ -115,5 +142,7 @@ def test_rejects_bad_inputs():
         skinny_gemm(torch.randn(2, 8), torch.randn(5, 8), swiglu=True)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 2 with swiglu, got 1"):
         skinny_gemm(torch.randn(2, 8), torch.randn(4, 8), GemvConfig(block_n=1), swiglu=True)
+    with pytest.raises(ValueError, match="norm_weight has shape .*x's inner dim"):
+        skinny_gemm(torch.randn(2, 8), torch.randn(4, 8), norm_weight=torch.ones(6))
     with pytest.raises(ValueError, match="num_warps must be one of .* got 3"):
         skinny_gemm(torch.randn(2, 8), torch.randn(4, 8), GemvConfig(num_warps=3))
