@@ -25,6 +25,7 @@ from torch import nn
 from model_ops import tp
 from model_ops.activation import silu_and_mul
 from model_ops.deferred import weight_device
+from model_ops.layernorm import RMSNorm
 from model_ops.tp import TPSlice
 
 
@@ -131,6 +132,17 @@ def dense_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if (kernels := _gemv_for(x, weight)) is not None:
         return kernels.skinny_gemm(x, weight, swiglu=True)
     return silu_and_mul(dense(x, weight))
+
+
+def dense_after_rms_norm(x: torch.Tensor, norm: RMSNorm, layer: nn.Module) -> torch.Tensor:
+    """layer(norm(x)). Where `dense` takes the GEMV kernel and `layer` is a bias-free float Linear
+    (DeepSeek's q_a_layernorm -> q_b_proj), the norm runs as the kernel's prologue, rounded as the
+    norm kernel rounds (its sum of squares in another order): one launch fewer a layer. Any
+    other layer (a quantized one) or size, and every CPU product, runs the norm, then the layer."""
+    if isinstance(layer, Linear) and layer.bias is None and (kernels := _gemv_for(x, layer.weight)) is not None:
+        return sharded_output(layer.sharding, lambda _: kernels.skinny_gemm(x, layer.weight, norm_weight=norm.weight,
+                                                                            norm_eps=norm.eps), None)
+    return layer(norm(x))
 
 
 class Linear(nn.Module):

@@ -40,3 +40,40 @@ def test_triton_mla_backend_matches_torch():
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-4)
     if device.type == "cuda":
         assert isinstance(select_backend("mla", device, "target"), TritonMLABackend)
+
+
+def test_latent_norm_rides_along_the_write():
+    """`latent_norm` (DeepseekV2Attention's kv_a_layernorm): the Triton backend's fused rope + norm + write
+    (and its unfused write) store what the torch reference stores by running the module, then writing;
+    the rotated q_pe agrees too. Slot -1 rows are skipped."""
+    from model_ops.layernorm import RMSNorm
+    from model_ops.rotary import RotaryEmbedding
+    from transformers import LlamaConfig
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(1)
+    latent_dim, rope_dim, heads, tokens = 40, 16, 3, 7
+    norm = RMSNorm(latent_dim, eps=1e-5).to(device)
+    norm.weight.copy_(torch.randn(latent_dim, generator=gen))
+    rotary = RotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=2), rope_dim, interleaved=True)
+    cos_sin = tuple(t.to(device) for t in rotary.cos_sin(torch.randint(0, 500, (tokens,), generator=gen), torch.float32))
+    latent = (torch.randn(tokens, latent_dim, generator=gen) * 4).to(device)
+    k_pe = torch.randn(tokens, rope_dim, generator=gen).to(device)
+    q_pe = torch.randn(tokens, heads, rope_dim, generator=gen).to(device)
+    slots = torch.randperm(16 * 4, generator=gen)[:tokens].to(device)
+    slots[3] = -1
+    cache = torch.randn(16, 4, latent_dim + rope_dim, generator=gen).to(device)
+    caches, q_outs = [], []
+    for backend in (TorchMLABackend(), TritonMLABackend()):
+        rotated, unrotated = cache.clone(), cache.clone()
+        q_outs.append(backend.write_rotated(rotated, q_pe, (latent, k_pe), rotary, cos_sin, slots, latent_norm=norm))
+        backend.write(unrotated, (latent, k_pe), slots, latent_norm=norm)
+        caches += [rotated, unrotated]
+    torch.testing.assert_close(q_outs[1], q_outs[0], rtol=1e-6, atol=1e-6)
+    for got, expected in zip(caches[2:], caches[:2]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    normed = norm(latent)
+    assert torch.equal(caches[1].flatten(0, 1)[slots[slots >= 0]], torch.cat([normed, k_pe], -1)[slots >= 0])
+    untouched = torch.ones(16 * 4, dtype=torch.bool, device=device)
+    untouched[slots[slots >= 0]] = False
+    assert all(torch.equal(c.flatten(0, 1)[untouched], cache.flatten(0, 1)[untouched]) for c in caches)

@@ -22,7 +22,7 @@ from model_ops.attention.metadata import AttentionMetadata
 from model_ops.attention.mla import MLAAttention
 from model_ops.embed_head import VocabEmbedding
 from model_ops.layernorm import RMSNorm
-from model_ops.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
+from model_ops.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear, dense_after_rms_norm
 from model_ops.moe import FusedExperts, GatingConfig, TopkRouter, expert_weight_rule
 from model_ops.rotary import RotaryEmbedding
 
@@ -73,7 +73,10 @@ class DeepseekV2Attention(MLAAttention):
     the same input, so they are one GEMM: `fused_qkv_a_proj_with_mqa` (q rows first, as sglang
     and vLLM fuse them; `mla_packed_weights` maps the separate checkpoint tensors onto it), then
     q_a_layernorm -> q_b_proj and [c_kv | k_pe] with c_kv through kv_a_layernorm. Without a q
-    LoRA, q_proj and kv_a_proj_with_mqa stay separate.
+    LoRA, q_proj and kv_a_proj_with_mqa stay separate. On a GPU neither norm is a launch of its
+    own: q_a_layernorm is the q_b_proj GEMV's prologue at decode sizes (model_ops.linear.
+    dense_after_rms_norm), kv_a_layernorm rides along the cache write (MLAAttention.attend's
+    `latent_norm`); the CPU reference runs both as modules.
 
     `input_size` differs from hidden_size only for EAGLE3 MLA drafts (2H). `latent_norm_eps` is
     the eps of q_a_layernorm / kv_a_layernorm: transformers (and DeepSeek's release code) keep
@@ -109,13 +112,14 @@ class DeepseekV2Attention(MLAAttention):
     def forward(self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata) -> torch.Tensor:
         if self.q_lora_rank:
             q_a, kv_a = self.fused_qkv_a_proj_with_mqa.split(self.fused_qkv_a_proj_with_mqa(x))
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q = dense_after_rms_norm(q_a, self.q_a_layernorm, self.q_b_proj)  # on a GPU at decode: one kernel
         else:
             q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         q_nope, q_pe = q.view(x.shape[0], self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
         latent, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        # q_pe and k_pe are rotated as the latent row is written (one kernel on the Triton backend)
-        out = self.attend(q_nope, q_pe, self.kv_a_layernorm(latent), k_pe, meta, rope=(self.rotary, cos_sin))
+        # q_pe and k_pe are rotated, and the latent normalized, as the latent row is written (one
+        # kernel on the Triton backend): kv_a_layernorm's output has no other reader
+        out = self.attend(q_nope, q_pe, latent, k_pe, meta, rope=(self.rotary, cos_sin), latent_norm=self.kv_a_layernorm)
         return self.o_proj(out)
 
 

@@ -39,6 +39,7 @@ from kernels_rocm.aiter_ops import (
 )
 from model_ops.attention import torch_ref
 from model_ops.attention.metadata import AttentionMetadata
+from model_ops.layernorm import RMSNorm
 from model_ops.rotary import RotaryEmbedding
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -145,21 +146,28 @@ class TritonMHABackend(MHABackend):
 class MLABackend(AttentionBackend):
     """MLA latent cache [num_blocks, block_size, L + R]; a row is [kv_a_layernorm(c_kv) | rope(k_pe)].
 
-    `write` takes rows = (latent [T, L], k_pe [T, R]).
+    `write` takes rows = (latent [T, L], k_pe [T, R]). With `latent_norm` (the layer's
+    kv_a_layernorm) the latent is not normalized yet and the backend normalizes it as it writes:
+    the Triton kernel in the same launch, the reference by running the module.
     """
 
-    def write(self, cache, rows, slot_mapping, scales=None):
-        torch_ref.write_cache(cache, torch.cat(rows, dim=-1), slot_mapping, _latent(scales))
+    def write(self, cache: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+              scales: KVScales = None, latent_norm: RMSNorm | None = None) -> None:
+        latent, k_pe = rows
+        if latent_norm is not None:
+            latent = latent_norm(latent)
+        torch_ref.write_cache(cache, torch.cat([latent, k_pe], dim=-1), slot_mapping, _latent(scales))
 
     def write_rotated(self, cache: torch.Tensor, q_pe: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
                       rotary: RotaryEmbedding, cos_sin: CosSin, slot_mapping: torch.Tensor,
-                      scales: KVScales = None) -> torch.Tensor:
-        """Rotate q_pe [T, N, R] and the k_pe of rows = (latent, k_pe), write [latent | rope(k_pe)];
-        return rope(q_pe). The eager reference; kernels override it."""
+                      scales: KVScales = None, latent_norm: RMSNorm | None = None) -> torch.Tensor:
+        """Rotate q_pe [T, N, R] and the k_pe of rows = (latent, k_pe), write [latent | rope(k_pe)]
+        (latent through `latent_norm` when given); return rope(q_pe). The eager reference; kernels
+        override it."""
         latent, k_pe = rows
         q_pe = rotary.apply(q_pe, *cos_sin)
         k_pe = rotary.apply(k_pe.unsqueeze(1), *cos_sin).squeeze(1)
-        self.write(cache, (latent, k_pe), slot_mapping, scales)
+        self.write(cache, (latent, k_pe), slot_mapping, scales, latent_norm)
         return q_pe
 
     @abstractmethod
@@ -192,16 +200,19 @@ class TritonMLABackend(MLABackend):
 
     name = "triton"
 
-    def write(self, cache, rows, slot_mapping, scales=None):
+    def write(self, cache, rows, slot_mapping, scales=None, latent_norm=None):
         from kernels_rocm.kv_cache import write_mla_kv_cache
 
-        write_mla_kv_cache(rows[0], rows[1], cache, slot_mapping, **_kernel_scales(scales, "scale"))
+        # the models write through write_rotated; this unrotated write keeps the norm a launch of its own
+        latent = rows[0] if latent_norm is None else latent_norm(rows[0])
+        write_mla_kv_cache(latent, rows[1], cache, slot_mapping, **_kernel_scales(scales, "scale"))
 
-    def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None):
+    def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None, latent_norm=None):
         from kernels_rocm.rope_kv_cache import rope_write_mla_kv_cache
 
+        norm = {} if latent_norm is None else dict(norm_weight=latent_norm.weight, norm_eps=latent_norm.eps)
         return rope_write_mla_kv_cache(q_pe, rows[0], rows[1], cache, *cos_sin, slot_mapping, rotary.interleaved,
-                                       **_kernel_scales(scales, "scale"))
+                                       **_kernel_scales(scales, "scale"), **norm)
 
     def attend_absorbed(self, q_latent, q_pe, cache, meta, scale, scales=None):
         from kernels_rocm.mla_decode import mla_paged_attention
@@ -224,11 +235,11 @@ class AiterMLABackend(MLABackend):
         self.fallback = fallback if fallback is not None else TritonMLABackend()
         self._step: tuple[AttentionMetadata, MLADecodeMetadata] | None = None
 
-    def write(self, cache, rows, slot_mapping, scales=None):
-        self.fallback.write(cache, rows, slot_mapping, scales)
+    def write(self, cache, rows, slot_mapping, scales=None, latent_norm=None):
+        self.fallback.write(cache, rows, slot_mapping, scales, latent_norm)
 
-    def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None):
-        return self.fallback.write_rotated(cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales)
+    def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None, latent_norm=None):
+        return self.fallback.write_rotated(cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales, latent_norm)
 
     def attend_expanded(self, q_nope, q_pe, cache, meta, scale, expand, scales=None):
         return self.fallback.attend_expanded(q_nope, q_pe, cache, meta, scale, expand, scales)

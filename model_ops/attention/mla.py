@@ -23,6 +23,7 @@ from model_ops import tp
 from model_ops.attention.backends import AttentionKind, MLABackend
 from model_ops.attention.layer import CachedAttention, Rope
 from model_ops.attention.metadata import AttentionMetadata
+from model_ops.layernorm import RMSNorm
 from model_ops.linear import ColumnParallelLinear, dense_per_head, gemv_weight
 
 # Steps whose longest query run is at most this take the absorbed form: decode (1 row) and
@@ -81,19 +82,23 @@ class MLAAttention(CachedAttention):
         return kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
-               meta: AttentionMetadata, absorbed: bool | None = None, rope: Rope | None = None) -> torch.Tensor:
+               meta: AttentionMetadata, absorbed: bool | None = None, rope: Rope | None = None,
+               latent_norm: RMSNorm | None = None) -> torch.Tensor:
         """q_nope [T, N, P], q_pe [T, N, R] (after RoPE), this step's latent [T, L] (after
         kv_a_layernorm) and k_pe [T, R] (after RoPE) -> attention output [T, N * V]. With `rope`,
-        q_pe and k_pe are not rotated yet: the backend rotates them as it writes the cache.
+        q_pe and k_pe are not rotated yet: the backend rotates them as it writes the cache. With
+        `latent_norm` (kv_a_layernorm), the latent is not normalized yet: the backend normalizes
+        it as it writes (the cached rows are all that read it).
 
         `absorbed` forces a form (tests compare the two); None picks it from the query length."""
         cache, backend = self._bound()
         if not isinstance(backend, MLABackend):
             raise TypeError(f"MLA layer bound to {type(backend).__name__}, which is not an MLABackend")
         if rope is None:
-            backend.write(cache, (latent, k_pe), meta.slot_mapping, self.kv_scales)
+            backend.write(cache, (latent, k_pe), meta.slot_mapping, self.kv_scales, latent_norm)
         else:
-            q_pe = backend.write_rotated(cache, q_pe, (latent, k_pe), *rope, meta.slot_mapping, self.kv_scales)
+            q_pe = backend.write_rotated(cache, q_pe, (latent, k_pe), *rope, meta.slot_mapping, self.kv_scales,
+                                         latent_norm)
         if absorbed is None:
             absorbed = meta.max_query_len <= ABSORBED_MAX_QUERY_LEN
         if absorbed:
