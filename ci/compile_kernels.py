@@ -124,11 +124,13 @@ def _rope_mha(kv_dtype=None):
                         _t(64, dtype=torch.int64), **scales)
 
 
-def _rope_mla(kv_dtype=None):
-    """Kimi: 64 heads' q_pe, latent rows 512 + 64 (interleaved)."""
+def _rope_mla(kv_dtype=None, heads=64, norm=False):
+    """Kimi: `heads` heads' q_pe (64; 8 a TP8 rank), latent rows 512 + 64 (interleaved); `norm`:
+    with kv_a_layernorm fused."""
     scale = _t(1, dtype=torch.float32) if kv_dtype else None
-    rope_write_mla_kv_cache(_t(64, 64, 64), _t(64, 512), _t(64, 64), _t(99, 16, 576, dtype=kv_dtype or torch.bfloat16),
-                            _t(64, 32), _t(64, 32), _t(64, dtype=torch.int64), interleaved=True, scale=scale)
+    norm_args = dict(norm_weight=_t(512), norm_eps=1e-6) if norm else {}
+    rope_write_mla_kv_cache(_t(64, heads, 64), _t(64, 512), _t(64, 64), _t(99, 16, 576, dtype=kv_dtype or torch.bfloat16),
+                            _t(64, 32), _t(64, 32), _t(64, dtype=torch.int64), interleaved=True, scale=scale, **norm_args)
 
 
 def _mxfp4_linear(m, n, k, quantize, split=None):
@@ -210,6 +212,9 @@ CASES: dict[str, Callable[[str], None]] = {
     "rope + kv write MHA fp8": lambda t: _rope_mha(_fp8_dtype(t)),
     "rope + kv write MLA 64h 512+64": lambda _: _rope_mla(),
     "rope + kv write MLA fp8": lambda t: _rope_mla(_fp8_dtype(t)),
+    "rope + kv write MLA 8h + latent norm": lambda _: _rope_mla(heads=8, norm=True),
+    "rope + kv write MLA 64h + latent norm": lambda _: _rope_mla(norm=True),
+    "rope + kv write MLA 8h fp8 + latent norm": lambda t: _rope_mla(_fp8_dtype(t), heads=8, norm=True),
     "SiLU-and-mul I14336": lambda _: silu_and_mul(_t(64, 2 * 14336)),
     "skinny GEMM M1 N6144 K4096": lambda _: skinny_mod.skinny_gemm(_t(1, 4096), _t(6144, 4096)),
     "skinny GEMM M8 N4096 K14336": lambda _: skinny_mod.skinny_gemm(_t(8, 14336), _t(4096, 14336)),
@@ -217,6 +222,11 @@ CASES: dict[str, Callable[[str], None]] = {
     "skinny GEMM fp32 M3": lambda _: skinny_mod.skinny_gemm(_t(3, 4096, dtype=torch.float32),
                                                             _t(4096, 4096, dtype=torch.float32)),
     "skinny GEMM, bench_roofline's sweep at M 1, 2, 4, 8": _skinny_sweep,
+    # Kimi TP8 q_b_proj with q_a_layernorm as its prologue, in the config an H200 (132 SMs) picks
+    "skinny GEMM + RMSNorm prologue M1 N1536 K1536": lambda _: skinny_mod.skinny_gemm(
+        _t(1, 1536), _t(1536, 1536), skinny_mod.default_config(1, 1536, 132), norm_weight=_t(1536)),
+    "skinny GEMM + RMSNorm prologue M4 N1536 K1536": lambda _: skinny_mod.skinny_gemm(
+        _t(4, 1536), _t(1536, 1536), skinny_mod.default_config(4, 1536, 132), norm_weight=_t(1536)),
     "skinny GEMM fp32 out (router) M4 N384 K7168": lambda _: skinny_mod.skinny_gemm(_t(4, 7168), _t(384, 7168),
                                                                                    out_dtype=torch.float32),
     **{f"skinny bmm MLA absorb Kimi {tp} T{t} {name}": (lambda _, t=t, h=h, n=n, k=k: skinny_mod.skinny_bmm(

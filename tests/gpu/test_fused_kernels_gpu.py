@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from kernels_rocm.activation import silu_and_mul
+from kernels_rocm.rms_norm import rms_norm
 from kernels_rocm.rope_kv_cache import rope_write_kv_cache, rope_write_mla_kv_cache
 from kernels_rocm.skinny_gemm import skinny_bmm, skinny_gemm
 from model_ops.attention import torch_ref
@@ -203,3 +204,71 @@ def test_router_kernels_match_reference(tokens, grouped):
     order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
     assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
     torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-6, atol=1e-7)
+
+
+def _one_ulp_apart(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Asserts `got` is within one step of its dtype of `expected` everywhere (bf16: one ulp, so at
+    most eps |expected|; e4m3: one code, same sign); returns the fraction of elements that differ."""
+    if got.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        codes = [t.view(torch.uint8).int() for t in (got, expected)]
+        signs_match = (codes[0] ^ codes[1]) & 0x80 == 0
+        assert ((codes[0] - codes[1]).abs().le(1) & signs_match | codes[0].eq(codes[1])).all()
+        return (codes[0] != codes[1]).float().mean().item()
+    ulp = torch.finfo(got.dtype).eps * expected.float().abs()
+    assert ((got.float() - expected.float()).abs() <= ulp).all()
+    return (got != expected).float().mean().item()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_cache", "fp8_cache"])
+@pytest.mark.parametrize("tokens", [1, 4, 37])
+def test_rope_write_mla_fused_latent_norm(fp8, tokens):
+    """kv_a_layernorm fused into the MLA rope + KV write at Kimi TP8's shapes (8 heads' q_pe, L 512,
+    R 64), against the separate kernels_rocm.rms_norm then the write. Same rounding; only the sum of
+    squares runs in another order (another block layout), so a latent element may land one bf16 ulp
+    (fp8: one code) away where the fp32 rstd differs in its last bit. q_pe and the rope part: bit for bit."""
+    g = torch.Generator().manual_seed(30 + tokens)
+    rotary, (cos, sin), slots = _setup(64, True, tokens, g)
+    q = torch.randn(tokens, 8, 192, generator=g).to(DEVICE, DT)
+    c_kv, k_pe = (torch.randn(tokens, 576, generator=g) * 0.5).to(DEVICE, DT).split([512, 64], dim=-1)
+    weight = (1 + 0.2 * torch.randn(512, generator=g)).to(DEVICE, DT)
+    cache_dtype = torch.float8_e4m3fn if fp8 else DT
+    cache = torch.randn(64, 16, 576, generator=g).to(DEVICE, cache_dtype)
+    scale = dict(scale=torch.tensor([0.02], device=DEVICE)) if fp8 else {}
+    unfused = cache.clone()
+    q_unfused = rope_write_mla_kv_cache(q[..., 128:], rms_norm(c_kv, weight, 1e-6), k_pe, unfused, cos, sin, slots,
+                                        **scale)
+    q_fused = rope_write_mla_kv_cache(q[..., 128:], c_kv, k_pe, cache, cos, sin, slots, **scale, norm_weight=weight,
+                                      norm_eps=1e-6)
+    assert torch.equal(q_fused, q_unfused)
+    assert torch.equal(cache[..., 512:].view(torch.uint8), unfused[..., 512:].view(torch.uint8))
+    differ = _one_ulp_apart(cache[..., :512], unfused[..., :512])
+    print(f"latent elements off the unfused path: {differ:.4%}")
+    assert differ <= 1e-3
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_skinny_gemm_rms_norm_prologue(m):
+    """q_a_layernorm as the GEMV's prologue at Kimi TP8's q_b_proj (K 1536 -> N 1536, x a view of the
+    fused q_a / kv_a output), as model_ops.linear.dense_after_rms_norm launches it on NVIDIA, against
+    kernels_rocm.rms_norm then the GEMV: within one bf16 ulp (the sum of squares' order), nearly all
+    outputs bit for bit; and close to the fp32 math."""
+    from model_ops.layernorm import RMSNorm
+    from model_ops.linear import ColumnParallelLinear, dense_after_rms_norm
+
+    g = torch.Generator().manual_seed(40 + m)
+    x = (torch.randn(m, 1536 + 576, generator=g) * 3).to(DEVICE, DT)[:, :1536]
+    norm = RMSNorm(1536, 1e-6).to(DEVICE, DT)
+    norm.weight.copy_(1 + 0.2 * torch.randn(1536, generator=g))
+    layer = ColumnParallelLinear(1536, 1536).to(DEVICE, DT)
+    layer.weight.copy_(torch.randn(1536, 1536, generator=g) * 0.02)
+    fused = skinny_gemm(x, layer.weight, norm_weight=norm.weight, norm_eps=1e-6)
+    # the model's path: this kernel on NVIDIA; on ROCm (the GEMV never ran on AMD) the norm, then the GEMM library
+    assert torch.equal(dense_after_rms_norm(x, norm, layer), fused if torch.version.hip is None else layer(norm(x)))
+    unfused = skinny_gemm(rms_norm(x, norm.weight, 1e-6), layer.weight)
+    # an x element one ulp off moves a sum by far less than an output's ulp: at most a rounding flip
+    assert ((fused.float() - unfused.float()).abs() <= 2**-7 * unfused.float().abs() + 1e-3).all()
+    differ = (fused != unfused).float().mean().item()
+    print(f"outputs off the unfused path: {differ:.4%}")
+    assert differ <= 0.05
+    ref = F.linear(F.rms_norm(x.float(), (1536,), norm.weight.float(), 1e-6), layer.weight.float())
+    assert ((fused.float() - ref).abs() <= 2**-7 * ref.abs() + 2e-3).all()
