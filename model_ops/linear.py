@@ -95,13 +95,23 @@ def gemv_weight(weight: torch.Tensor) -> bool:
     return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and _gemv() is not None
 
 
+PER_HEAD_GEMV_MAX_HEADS = 16  # H200, CUDA graphs (docs/benchmarks.md section 10): 8 heads 1.6-2.4 us vs bmm's
+# 2.5-4.8; at 64 heads (Kimi at TP1) the kernel's many small programs lose (W_UK^T 10.6 us vs 3.5)
+
+
+def per_head_gemv(weight: torch.Tensor) -> bool:
+    """Whether dense_per_head runs the GEMV kernel for this [H, N, K] weight (a layer keeps a
+    copy in the kernel's layout only where it does)."""
+    return gemv_weight(weight) and weight.shape[0] <= PER_HEAD_GEMV_MAX_HEADS
+
+
 def dense_per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, H, K] times each head's weight [H, N, K] transposed -> [T, H, N] (MLA's absorbed
-    W_UK / W_UV products). Up to the GEMV kernel's 8 rows on an NVIDIA GPU with a 16-bit weight
-    whose rows are contiguous: one launch reading x through its strides, ~1 MB of weight a layer
-    a Kimi-K2.5 TP8 rank, where cuBLAS's bmm spent 4.7 and 2.8 us of latency (H200);
-    everything else, and every CPU product (the exact reference), is torch.bmm."""
-    if (x.is_cuda and x.dtype == weight.dtype and gemv_weight(weight) and x.shape[0] <= _gemv().MAX_M
+    W_UK / W_UV products). Up to the GEMV kernel's 8 rows and 16 heads on an NVIDIA GPU with a
+    16-bit weight whose rows are contiguous: one launch reading x through its strides, ~1 MB of
+    weight a layer a Kimi-K2.5 TP8 rank, where cuBLAS's bmm spent 4.7 and 2.8 us of latency
+    (H200); everything else, and every CPU product (the exact reference), is torch.bmm."""
+    if (x.is_cuda and x.dtype == weight.dtype and per_head_gemv(weight) and x.shape[0] <= _gemv().MAX_M
             and x.stride(-1) == 1 and weight.stride(-1) == 1):
         return _gemv().skinny_bmm(x, weight)
     return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)

@@ -24,7 +24,7 @@ from model_ops.attention.backends import AttentionKind, MLABackend
 from model_ops.attention.layer import CachedAttention, Rope
 from model_ops.attention.metadata import AttentionMetadata
 from model_ops.layernorm import RMSNorm
-from model_ops.linear import ColumnParallelLinear, dense_per_head, gemv_weight
+from model_ops.linear import ColumnParallelLinear, dense_per_head, per_head_gemv
 
 # Steps whose longest query run is at most this take the absorbed form: decode (1 row) and
 # speculative verification (k + 1 rows) always do, so those steps never expand the context and
@@ -70,11 +70,12 @@ class MLAAttention(CachedAttention):
         """On the GEMV kernel's devices, a K-major copy of W_UK: q_nope . W_UK per head sums over
         W_UK's rows (P), but the kernel's loads run along its weight rows, so it takes W_UK^T
         [N, L, P]. It costs N x L x P x 2 bytes a layer: 1 MiB at Kimi-K2.5 TP8 (8 heads; 61 MiB
-        for 61 layers), 8 MiB at TP1. The alternative, a K-major kernel variant, would need q_nope
-        (contiguous along P) and the weight tile (contiguous along L) in different register
-        layouts: a shuffle through shared memory every K step for a ~1 MiB read."""
+        for 61 layers); none at TP1, whose 64 heads keep bmm (per_head_gemv). The alternative, a
+        K-major kernel variant, would need q_nope (contiguous along P) and the weight tile
+        (contiguous along L) in different register layouts: a shuffle through shared memory every
+        K step for a ~1 MiB read."""
         w_uk, _ = self._w_uk_uv()
-        self.w_uk_t = w_uk.transpose(1, 2).contiguous() if gemv_weight(w_uk) else None
+        self.w_uk_t = w_uk.transpose(1, 2).contiguous() if per_head_gemv(w_uk) else None
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent rows [..., L] -> (k_nope [..., N, P], v [..., N, V])."""
