@@ -35,6 +35,7 @@ import triton.language as tl
 from kernels_rocm import _pdl as pdl
 from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import SUPPORTED_DTYPES, check_same_device, check_tensor
+from kernels_rocm.rms_norm import rms_scale
 
 SPIN_LIMIT = 1 << 26  # polls of a flag (~ seconds) before a wait gives up
 
@@ -82,9 +83,8 @@ def _allreduce_rms_norm_kernel(
     tl.store(residual_row, h, mask=mask)
     h = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    normed = (h * rstd).to(dtype).to(tl.float32)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, rms_scale(h, rstd, weight, dtype), mask=mask)
 
 
 def allreduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -20,6 +20,14 @@ MAX_HIDDEN = 65_536  # one row per program held in registers
 
 
 @triton.jit
+def rms_scale(h, rstd, weight, DTYPE: tl.constexpr):
+    """The HF RMSNorm's rounding, one place for every kernel that normalizes (this one, the fused
+    all-reduce + norm, the MLA cache write, the GEMV prologue): h (fp32) times rstd rounded to the
+    activation dtype DTYPE, times the weight, rounded again; returned in DTYPE."""
+    return ((h * rstd).to(DTYPE).to(tl.float32) * weight.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     stride_x: tl.int64, stride_residual: tl.int64, stride_out: tl.int64,
@@ -38,9 +46,8 @@ def _rms_norm_kernel(
         tl.store(residual_row, h, mask=mask)
     h = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + offs, rms_scale(h, rstd, weight, x_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x, residual, weight, eps, out):

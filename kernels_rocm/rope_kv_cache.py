@@ -35,6 +35,7 @@ from kernels_rocm._util import (
     fp8_max,
 )
 from kernels_rocm.kv_cache import CACHE_DTYPES, FP8_DTYPES, _store_rows
+from kernels_rocm.rms_norm import rms_scale
 
 
 @triton.jit
@@ -119,12 +120,10 @@ def _rope_write_kernel(
         if NORM:
             # RMSNorm of each value row, rounded as kernels_rocm.rms_norm rounds: fp32 statistics,
             # the normalized row rounded to the activation dtype, times the weight, rounded again
-            DTYPE = v_ptr.dtype.element_ty
             v32 = v_rows.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(v32 * v32, axis=1) / DIM_V + norm_eps)
-            normed = (v32 * rstd[:, None]).to(DTYPE).to(tl.float32)
-            weight = tl.load(norm_weight_ptr + dims_v, mask=dims_v < DIM_V, other=0.0).to(tl.float32)
-            v_rows = (normed * weight[None, :]).to(DTYPE)
+            weight = tl.load(norm_weight_ptr + dims_v, mask=dims_v < DIM_V, other=0.0)
+            v_rows = rms_scale(v32, rstd[:, None], weight[None, :], v_ptr.dtype.element_ty)
         v_dst = (v_cache_ptr + block * stride_vc_blk + offset_in_block * stride_vc_tok
                  + kv_heads[:, None] * stride_vc_h + dims_v[None, :])
         _store_rows(v_rows, v_dst, v_mask, v_scale_ptr, FP8, FP8_MAX, MIN_NORMAL_EXP, SIGNED_ZERO)

@@ -44,6 +44,7 @@ from kernels_rocm._util import (
     check_tensor,
     num_compute_units,
 )
+from kernels_rocm.rms_norm import rms_scale
 
 MAX_M = 8  # rows of x a launch takes; beyond, accumulators (BLOCK_M x BLOCK_N a lane) crowd registers
 NUM_WARPS = (1, 2, 4, 8)
@@ -85,13 +86,6 @@ def default_config(m: int, n: int = 0, compute_units: int = 0, min_rows: int = 1
 
 
 FASTER_THAN_CUBLAS_UP_TO_M = 4  # same sweep: faster than cuBLAS on all five shapes at M 1, 2, 4; slower on all at 8
-
-
-@triton.jit
-def _normalize(x, rstd, weight, x_ptr):
-    """weight * (x * rstd) in fp32, each product rounded to x's dtype (`x_ptr`'s element type)."""
-    DTYPE = x_ptr.dtype.element_ty
-    return ((x * rstd).to(DTYPE).to(tl.float32) * weight.to(tl.float32)).to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -147,14 +141,15 @@ def _gemv_kernel(
         w = tl.load(w_ptrs + k0).to(tl.float32)
         x = tl.load(x_ptrs + k0, mask=m_valid, other=0.0).to(tl.float32)
         if NORM:
-            x = _normalize(x, rstd, tl.load(norm_weight_ptr + rk + k0), x_ptr)
+            x = rms_scale(x, rstd, tl.load(norm_weight_ptr + rk + k0), x_ptr.dtype.element_ty).to(tl.float32)
         acc += tl.sum(x * w, axis=3)
     if k_full < K:
         k_valid = rk < K - k_full
         w = tl.load(w_ptrs + k_full, mask=k_valid, other=0.0).to(tl.float32)
         x = tl.load(x_ptrs + k_full, mask=m_valid & k_valid, other=0.0).to(tl.float32)
         if NORM:
-            x = _normalize(x, rstd, tl.load(norm_weight_ptr + rk + k_full, mask=k_valid, other=0.0), x_ptr)
+            x = rms_scale(x, rstd, tl.load(norm_weight_ptr + rk + k_full, mask=k_valid, other=0.0),
+                          x_ptr.dtype.element_ty).to(tl.float32)
         acc += tl.sum(x * w, axis=3)
     out = tl.sum(acc, axis=0)  # [BLOCK_N, BLOCK_M]: the one cross-lane reduction
     dtype = y_ptr.dtype.element_ty
