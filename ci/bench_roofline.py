@@ -196,19 +196,25 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _profiled_steps(engine, clock: Clock, batch: int, prompt_len: int, steps: int, activities: list):
+def profile_calls(fn: Callable[[], object], calls: int, activities: list, sync: Callable[[], None]):
+    """(torch.profiler over `calls` calls of fn, their wall seconds), synchronized on both sides
+    (also used by bench_kimi)."""
     from torch.profiler import profile
 
+    sync()
+    wall = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    return prof, time.perf_counter() - wall
+
+
+def _profiled_steps(engine, clock: Clock, batch: int, prompt_len: int, steps: int, activities: list):
     start_batch(engine, prompts(batch, prompt_len, engine.runner.vocab_size), steps + 8)
     for _ in range(3):
         engine.step()
-    clock.sync()
-    wall = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            engine.step()
-        clock.sync()
-    wall = time.perf_counter() - wall
+    prof, wall = profile_calls(engine.step, steps, activities, clock.sync)
     drain(engine)
     return prof, wall
 
