@@ -28,6 +28,7 @@ measured it faster; never run on AMD hardware, so ROCm keeps its GEMM library.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,15 @@ class GemvConfig:
     vector_bytes: int = 16  # what a lane loads of a row per K step; less for rows too short to fill the lanes
 
 
+def _rows_a_program(programs: Callable[[int], int], compute_units: int, min_rows: int = 1) -> int:
+    """4 weight rows a program, halved (down to `min_rows`) while `programs(rows)` would leave SMs
+    without a program."""
+    rows = 4
+    while rows > min_rows and programs(rows) < compute_units:
+        rows //= 2
+    return rows
+
+
 def default_config(m: int, n: int = 0, compute_units: int = 0, min_rows: int = 1) -> GemvConfig:
     """The launch shape measured best across the Llama-3.1-8B projections (qkv, o_proj, gate_up,
     down, lm_head) on an H100 (docs/benchmarks.md section 8, sweep of 12-20 configs): 4 rows a
@@ -75,9 +85,7 @@ def default_config(m: int, n: int = 0, compute_units: int = 0, min_rows: int = 1
     Kimi-K2.5's TP8 projections (H200 sweep, section 10) have fewer programs at M = 4 and want
     more warps there: 4 from 3 programs an SM (fused q_a/kv_a, 528: 16.4 us against 20.4 with 2),
     8 below (q_b 384: 7.5 against 8.6; the router: 9.0 against 13.9); the 8B shapes keep 2."""
-    rows = 4
-    while rows > min_rows and triton.cdiv(n, rows) < compute_units:
-        rows //= 2
+    rows = _rows_a_program(lambda r: triton.cdiv(n, r), compute_units, min_rows)
     if m <= 2:
         return GemvConfig(block_n=rows, num_warps=8)
     programs = triton.cdiv(n, rows)
@@ -207,9 +215,7 @@ def default_bmm_config(m: int, batch: int, n: int, k: int, element_size: int, co
     row_bytes = k * element_size
     warps = max(1, min(8, row_bytes // (32 * 16)))
     vector = 16 if row_bytes >= 32 * 16 else max(4, 1 << (max(row_bytes // 32, 1).bit_length() - 1))
-    rows = 4
-    while rows > 1 and batch * triton.cdiv(n, rows) < compute_units:
-        rows //= 2
+    rows = _rows_a_program(lambda r: batch * triton.cdiv(n, r), compute_units)
     return GemvConfig(block_n=rows, num_warps=warps, vector_bytes=vector)
 
 

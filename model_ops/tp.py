@@ -150,6 +150,8 @@ class OneShotAllReduce:
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         # a launch's rows must all be resident at once (they spin); 0: the fused path is off
         self.fused_rows = min(FUSED_MAX_ROWS, num_compute_units(device)) if fused_norm else 0
+        if not self.fused_rows:  # --no-fuse-all-reduce-norm: no staging (the same on every rank)
+            return
         self.fused_staging = symm_mem.empty(2 * FUSED_MAX_ROWS * FUSED_MAX_HIDDEN * 4, dtype=torch.uint8, device=device)
         self.fused_flags = symm_mem.empty(self.world * FUSED_MAX_ROWS, dtype=torch.int32, device=device)
         self.fused_flags.zero_()
