@@ -345,7 +345,7 @@ def kernel_profile(step, steps: int) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
-    from bench_roofline import kernel_table, profile_calls
+    from profile_tables import kernel_table, profile_calls
 
     prof, wall = profile_calls(step, steps, [ProfilerActivity.CUDA], sync)
     table = kernel_table([e for e in prof.events() if e.device_type != DeviceType.CPU], steps, top=30)

@@ -55,6 +55,7 @@ if "--smoke" in sys.argv:  # Triton reads the flag when a kernel is decorated (a
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from profile_tables import idle_stats, kernel_table, profile_calls  # noqa: E402
 
 PARTS = ("copy", "fusions", "transformers", "engine", "profile", "nopdl", "gemm")
 PROMPT_SEED = 0
@@ -187,29 +188,6 @@ def bench_engine(engine, clock: Clock, batches: list[int], prompt_len: int, max_
     return rows
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
-
-
-def profile_calls(fn: Callable[[], object], calls: int, activities: list, sync: Callable[[], None]):
-    """(torch.profiler over `calls` calls of fn, their wall seconds), synchronized on both sides
-    (also used by bench_kimi)."""
-    from torch.profiler import profile
-
-    sync()
-    wall = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for _ in range(calls):
-            fn()
-        sync()
-    return prof, time.perf_counter() - wall
-
-
 def _profiled_steps(engine, clock: Clock, batch: int, prompt_len: int, steps: int, activities: list):
     start_batch(engine, prompts(batch, prompt_len, engine.runner.vocab_size), steps + 8)
     for _ in range(3):
@@ -217,29 +195,6 @@ def _profiled_steps(engine, clock: Clock, batch: int, prompt_len: int, steps: in
     prof, wall = profile_calls(engine.step, steps, activities, clock.sync)
     drain(engine)
     return prof, wall
-
-
-def idle_stats(device_events: list, steps: int) -> dict:
-    spans = [(e.time_range.start, e.time_range.end) for e in device_events]
-    span_us = max(s[1] for s in spans) - min(s[0] for s in spans)
-    busy_us = _union_us(spans)
-    return dict(gpu_span_ms_per_step=1e-3 * span_us / steps, gpu_busy_ms_per_step=1e-3 * busy_us / steps,
-                gpu_idle_fraction=1 - busy_us / span_us)
-
-
-def kernel_table(device_events: list, steps: int, top: int = 15) -> dict:
-    """Idle fraction, kernels and copies a step, and the `top` kernels by device time a step
-    (also used by bench_kimi)."""
-    is_copy = [e.name.lower().startswith(("memcpy", "memset")) for e in device_events]
-    kernels = [e for e, c in zip(device_events, is_copy) if not c]
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for e in kernels:
-        by_name[e.name].append(e.time_range.end - e.time_range.start)
-    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-    return dict(**idle_stats(device_events, steps), kernels_per_step=len(kernels) / steps,
-                copies_per_step=(len(device_events) - len(kernels)) / steps,
-                top_kernels=[dict(name=name[:90], us_per_step=sum(d) / steps, calls_per_step=len(d) / steps)
-                             for name, d in ranked])
 
 
 def profile_engine(engine, clock: Clock, batch: int, prompt_len: int, steps: int) -> dict:

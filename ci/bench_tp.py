@@ -46,6 +46,7 @@ import time
 from queue import Empty
 
 import torch
+from bench_tp_report import markdown
 
 # NVLink multicast (NVLS) stays off on shared machines: one misbehaving program can take the
 # host's GPUs out of service. Set before NCCL starts; spawned ranks inherit it.
@@ -105,7 +106,7 @@ class Results:
         with open(self.path, "w") as f:
             json.dump(self.data, f, indent=1, default=str)
         with open(os.path.join(self.out_dir, "bench_tp.md"), "w") as f:
-            f.write(markdown(self.data))
+            f.write(markdown(self.data, TP))
 
 
 # ----------------------------------------------------------------------------- collectives alone
@@ -118,6 +119,7 @@ def collective_plan(config, batch: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 SWEEP_BYTES = [2**k for k in range(13, 23)]  # 8 KiB .. 4 MiB: one all-reduce of each size
+SWEEP_HIDDEN = 4096  # rows of the 8B model's hidden size for the fused all-reduce + RMSNorm
 
 
 def _allreduce_rank(rank: int, store: str, plans: dict, queue) -> None:
@@ -158,10 +160,16 @@ def _allreduce_rank(rank: int, store: str, plans: dict, queue) -> None:
         x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
         if not torch.equal(one_shot(x), nccl_sum(x.clone())):
             raise AssertionError(f"one-shot all-reduce of {nbytes} B differs from NCCL's")
+    weight = torch.randn(SWEEP_HIDDEN, dtype=torch.bfloat16, device="cuda")
     for nbytes in SWEEP_BYTES:  # one collective alone, graph-replayed: µs a call
         x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
         row = {name: 1e3 * graph_ms(lambda: [fn(x) for _ in range(20)]) / 20
                for name, fn in (("nccl_us", nccl_sum), ("one_shot_us", one_shot))}
+        rows = x.view(-1, SWEEP_HIDDEN)  # and fused with the residual add + RMSNorm, as rows of the 8B's hidden size
+        if one_shot.accepts_rows(rows):
+            residual = torch.randn_like(rows)
+            row["fused_norm_us"] = 1e3 * graph_ms(
+                lambda: [one_shot.add_rms_norm(rows, residual, weight, 1e-6) for _ in range(20)]) / 20
         if rank == 0:
             queue.put((f"sweep/{nbytes}", row))
     for key, plan in plans.items():
@@ -259,7 +267,35 @@ def decode_tokens_per_s(engine, batch_prompts: list[list[int]], max_tokens: int)
     return len(batch_prompts) * (max_tokens - 1) / (time.perf_counter() - start)
 
 
-def bench_speed(results: Results, names: list[str], batches: list[int], prompt_len: int, max_tokens: int) -> None:
+def profiled_decode(engine, batch_prompts: list[list[int]], steps: int, tp: int) -> list[dict]:
+    """Each rank's kernel table over `steps` decode steps (device activity only, so that idle
+    time is the device waiting, not the tracer slowing the host)."""
+    from profile_tables import trace_kernel_table
+
+    from atom_like import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for p in batch_prompts:
+        engine.add_request(p, params)
+    for _ in range(4):  # the prefill and a few decode steps, untraced
+        engine.step()
+    with tempfile.TemporaryDirectory() as folder:
+        engine.start_profile(folder, record_host=False)
+        for _ in range(steps):
+            engine.step()
+        engine.stop_profile()
+        tables = [trace_kernel_table(os.path.join(folder, f"rank{r}.trace.json"), steps, top=12) for r in range(tp)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return tables
+
+
+SPEED_CONFIGS = ((1, "-"), (TP, "nccl"), (TP, "one-shot"), (TP, "one-shot + norm"))  # tp, all-reduce
+CONFIG_NAMES = {"tp1": "-", "nccl": "nccl", "one-shot": "one-shot", "fused": "one-shot + norm"}  # --configs
+
+
+def bench_speed(results: Results, names: list[str], batches: list[int], prompt_len: int, max_tokens: int,
+                profile_steps: int = 0, configs: tuple[str, ...] = tuple(CONFIG_NAMES.values())) -> None:
     from bench_models import prompts
 
     from atom_like import LLMEngine
@@ -270,8 +306,8 @@ def bench_speed(results: Results, names: list[str], batches: list[int], prompt_l
             continue
         with tempfile.TemporaryDirectory() as folder:
             path, params = save_random_model(configs[name](), os.path.join(folder, name))
-            for tp, reduce in ((1, "-"), (TP, "nccl"), (TP, "one-shot"), (TP, "one-shot + norm")):
-                if results.over_budget(part="speed", model=name, tp=tp, all_reduce=reduce):
+            for tp, reduce in SPEED_CONFIGS:
+                if reduce not in configs or results.over_budget(part="speed", model=name, tp=tp, all_reduce=reduce):
                     continue
                 engine = None
                 try:  # a failure is recorded and the other configurations still run
@@ -286,9 +322,11 @@ def bench_speed(results: Results, names: list[str], batches: list[int], prompt_l
                         batch_prompts = prompts(batch, prompt_len, engine.runner.vocab_size)
                         decode_tokens_per_s(engine, batch_prompts, max_tokens)  # warm-up
                         tps = decode_tokens_per_s(engine, batch_prompts, max_tokens)
-                        results.add("speed", dict(model=name, tp=tp, all_reduce=reduce, batch=batch, tokens_per_s=tps,
-                                                  step_ms=1e3 * batch / tps,
-                                                  weight_gib_per_rank=max(weights) / 2**30))
+                        row = dict(model=name, tp=tp, all_reduce=reduce, batch=batch, tokens_per_s=tps,
+                                   step_ms=1e3 * batch / tps, weight_gib_per_rank=max(weights) / 2**30)
+                        if profile_steps:
+                            row["profile"] = profiled_decode(engine, batch_prompts, profile_steps, tp)
+                        results.add("speed", row)
                 except Exception as exc:  # noqa: BLE001
                     results.add("errors", dict(part="speed", model=name, tp=tp, all_reduce=reduce,
                                                error=f"{type(exc).__name__}: {exc}"))
@@ -422,62 +460,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 # ----------------------------------------------------------------------------- report
 
-def markdown(data: dict) -> str:
-    meta = data["meta"]
-    lines = [f"Tensor parallelism, {meta['device']} x{meta['gpus']}, torch {meta['torch']}, bf16, CUDA graphs, {meta['date']}.", ""]
-    if data["speed"]:
-        lines += ["| model | tp | all-reduce | batch | tokens/s | step ms | vs tp 1 | weights GiB / rank | "
-                  "collectives ms / step alone (graph) |", "|---|---|---|---|---|---|---|---|---|"]
-        base = {(r["model"], r["batch"]): r["tokens_per_s"] for r in data["speed"] if r["tp"] == 1}
-        comm = {(r["model"], r["batch"], reduce): r[col] for r in data["allreduce"]
-                for reduce, col in (("nccl", "graph_ms"), ("one-shot", "one_shot_graph_ms"))}
-        for r in data["speed"]:
-            key = (r["model"], r["batch"])
-            ratio = f"{r['tokens_per_s'] / base[key]:.2f}x" if key in base else "-"
-            c = comm.get((*key, r.get("all_reduce")))
-            coll = f"{c:.3f} ({c / r['step_ms']:.0%})" if r["tp"] > 1 and c is not None else "-"
-            lines.append(f"| {r['model']} | {r['tp']} | {r.get('all_reduce', '-')} | {r['batch']} | {r['tokens_per_s']:.1f} | "
-                         f"{r['step_ms']:.2f} | {ratio} | {r['weight_gib_per_rank']:.2f} | {coll} |")
-        lines.append("")
-    if data["allreduce"]:
-        lines += ["Collectives of one -tp 2 decode step, alone (2 x layers + 1 all-reduces of [batch, H], one "
-                  "all-gather of [batch, V/2]):", "", "| model | batch | collectives | NCCL eager ms | NCCL graph ms | "
-                  "one-shot all-reduces, graph ms |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['batch']} | {r['collectives']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
-                  f"{r['one_shot_graph_ms']:.3f} |" for r in data["allreduce"]]
-        lines.append("")
-    if data["allreduce_sweep"]:
-        lines += ["One bf16 all-reduce alone, graph-replayed, µs a call (one-shot checked equal to NCCL bit for bit):", "",
-                  "| bytes | NCCL µs | one-shot µs |", "|---|---|---|"]
-        lines += [f"| {r['bytes']} | {r['nccl_us']:.1f} | {r['one_shot_us']:.1f} |" for r in data["allreduce_sweep"]]
-        lines.append("")
-    if data["zoo"]:
-        lines += ["| target | draft | tp 1 mean acceptance length | tp 2 | identical completions | same tokens |",
-                  "|---|---|---|---|---|---|"]
-        for r in data["zoo"]:
-            if "skipped" in r:
-                lines.append(f"| {r['target']} | {r['draft']} | {r['skipped']} | | | |")
-                continue
-            cells = [f"{r[t]['mean_acceptance_length']:.3f}" if "error" not in r[t] else r[t]["error"][:120]
-                     for t in ("tp1", f"tp{TP}")]
-            lines.append(f"| {r['target']} | {r['draft']} | {cells[0]} | {cells[1]} | "
-                         f"{r.get('identical_completions', '-')} | {r.get('same_tokens_before_first_difference', 0):.1%} |")
-    if data["mxfp4"]:
-        lines += ["", "DeepSeek-shaped MoE in Quark MXFP4 (released layout), fp8 KV cache:", "",
-                  "| tp | batch | tokens/s | step ms | vs tp 1 |", "|---|---|---|---|---|"]
-        base = {r["batch"]: r["tokens_per_s"] for r in data["mxfp4"] if r.get("tp") == 1}
-        for r in data["mxfp4"]:
-            if "tp" in r:
-                ratio = f"{r['tokens_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
-                lines.append(f"| {r['tp']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {ratio} |")
-            else:
-                lines.append(f"\nGreedy completions identical at -tp 1 and -tp 2: {r['identical_completions']} "
-                             f"({r['same_tokens_before_first_difference']:.1%} of tokens before a first difference)")
-    lines += [f"\nERROR ({e['part']}{', ' + e['model'] if 'model' in e else ''}{', tp ' + str(e['tp']) if 'tp' in e else ''}): "
-              f"{e['error']}" for e in data["errors"]]
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="allreduce,speed,zoo,mxfp4")
@@ -485,6 +467,12 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--configs", default=",".join(CONFIG_NAMES),
+                        help="speed part: which of -tp 1 (tp1) and -tp 2 with NCCL only (nccl), the one-shot "
+                             "all-reduce (one-shot) or it fused with the add + RMSNorm (fused) to run")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="speed part: also record N decode steps per configuration with LLMEngine.start_profile "
+                             "and report each rank's device busy time and top kernels")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="no part starts after this many seconds (skips are reported)")
     args = parser.parse_args()
@@ -506,7 +494,8 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001
             results.add("errors", dict(part="allreduce", error=f"{type(exc).__name__}: {exc}"))
     if "speed" in parts:
-        bench_speed(results, names, batches, args.prompt_len, args.max_tokens)
+        bench_speed(results, names, batches, args.prompt_len, args.max_tokens, args.profile_steps,
+                    tuple(CONFIG_NAMES[c] for c in args.configs.split(",")))
     if "zoo" in parts:
         bench_zoo(results)
     if "mxfp4" in parts:
@@ -515,7 +504,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001
             results.add("errors", dict(part="mxfp4", error=f"{type(exc).__name__}: {exc}"))
     results.save()
-    print(markdown(results.data))
+    print(markdown(results.data, TP))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ launches have their own module.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -96,11 +97,24 @@ def assert_same_outputs(got, expected) -> None:
             assert ours is None or all(a is b is None or close(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
-def test_llama_tp2_sampling_features_prefix_cache_weights_and_a_killed_worker(make_llama):
+def test_llama_tp2_sampling_features_prefix_cache_weights_profiles_and_a_killed_worker(make_llama, tmp_path):
     path = make_llama()
     one = LLMEngine(path, **COMMON)
     engine = LLMEngine(path, tensor_parallel_size=2, **COMMON)
+    engine.start_profile(str(tmp_path / "tp2"))
     assert generate(engine) == generate(one)
+    engine.stop_profile()
+    # every rank wrote its own trace of the steps, before stop_profile returned
+    for rank in (0, 1):
+        events = json.loads((tmp_path / "tp2" / f"rank{rank}.trace.json").read_text())["traceEvents"]
+        assert any(e.get("name") == "aten::linear" for e in events), rank
+    with pytest.raises(RuntimeError, match="no profile is recording"):
+        one.stop_profile()
+    one.start_profile(str(tmp_path / "tp1"))
+    with pytest.raises(RuntimeError, match="already recording"):
+        one.start_profile(str(tmp_path / "tp1"))
+    one.stop_profile()
+    assert (tmp_path / "tp1" / "rank0.trace.json").stat().st_size > 0
     # a repeated prefix: the same cache hits at -tp 2 as at -tp 1, and the same tokens
     assert generate(engine, PREFIXED) == generate(one, PREFIXED)
     assert engine.block_manager.num_hit_tokens == one.block_manager.num_hit_tokens == 32

@@ -293,6 +293,16 @@ class LLMEngine:
             self.scheduler.finish(seq, "length")
         return [self._output(seq) for seq in touched]
 
+    def start_profile(self, trace_dir: str, record_host: bool = True) -> None:
+        """Record every rank's steps with torch.profiler until stop_profile(), which writes
+        <trace_dir>/rank<r>.trace.json (open in Perfetto). `record_host=False` records device
+        kernels only: tracing host ops slows the host, which a GPU waiting on it shows as idle."""
+        self.runner.profile(trace_dir, record_host)
+
+    def stop_profile(self) -> None:
+        """Stop the recording start_profile() began and write every rank's trace."""
+        self.runner.profile(None)
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at -tp 1); also runs at interpreter exit."""
         self.runner.shutdown()

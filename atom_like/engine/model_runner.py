@@ -19,6 +19,7 @@ import gc
 import itertools
 import logging
 import math
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,6 +149,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.proposer, device, self.block_size, max_batch,
                                        self.max_blocks_per_seq, scratch_block=self.num_blocks, draft_counts=counts)
         self.step_costs: StepCosts | None = self._step_costs() if self.num_spec_tokens else None
+        self._profiler: tuple[torch.profiler.profile, str] | None = None  # recording, and where it goes
 
     def _step_costs(self) -> StepCosts:
         """A decode step's device time per batch bucket and k, for the adaptive k policy: measured by
@@ -185,6 +187,33 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Nothing to release in-process (the tensor-parallel executors stop their workers)."""
+
+    def profile(self, trace_dir: str | None, record_host: bool = True) -> None:
+        """StepExecutor: start recording this rank's steps with torch.profiler (device kernels, and
+        host ops when `record_host`: tracing those slows the host, so a device waiting on it looks
+        idle longer than it is); None: wait for the device, stop, and write the recording to
+        <trace_dir>/rank<r>.trace.json (Chrome trace format: Perfetto or chrome://tracing)."""
+        from torch.profiler import ProfilerActivity
+
+        if trace_dir is not None:
+            if self._profiler is not None:
+                raise RuntimeError(f"a profile is already recording (into {os.path.dirname(self._profiler[1])})")
+            activities = [ProfilerActivity.CPU] if record_host or self.device.type != "cuda" else []
+            if self.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+            os.makedirs(trace_dir, exist_ok=True)
+            recorder = torch.profiler.profile(activities=activities)
+            recorder.start()
+            self._profiler = recorder, os.path.join(trace_dir, f"rank{tp.rank()}.trace.json")
+            return
+        if self._profiler is None:
+            raise RuntimeError("no profile is recording: start one first")
+        (recorder, path), self._profiler = self._profiler, None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the kernels of every step launched so far
+        recorder.stop()
+        recorder.export_chrome_trace(path)
+        logger.info("profile of this rank's steps written to %s", path)
 
     def _allocate_kv_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
         tensors: dict[str, torch.Tensor] = {}

@@ -79,6 +79,10 @@ class StepExecutor(Protocol):
     def abandon(self) -> None:
         """Forget every step launched and not collected (after a failure)."""
 
+    def profile(self, trace_dir: str | None, record_host: bool = True) -> None:
+        """Start recording every rank's steps into trace_dir (rank<r>.trace.json); None: stop and
+        write them, returning once every rank has (ModelRunner.profile)."""
+
     def shutdown(self) -> None: ...
 
 
@@ -220,6 +224,9 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn: multiprocessing.connection.
                 conn.send(("result", runner.collect()))
             elif message == "abandon":
                 runner.abandon()
+            elif isinstance(message, tuple):  # ("profile", trace_dir, record_host)
+                runner.profile(*message[1:])
+                conn.send(("profiled", None))
             else:
                 runner.launch(message)
     except BaseException as exc:  # noqa: BLE001 - whatever it is, the driver must hear of it before we go
@@ -288,9 +295,13 @@ class SpawnExecutor:
         if self.failure is None:  # else the workers are gone
             self._send("abandon")
 
-    def _send(self, message: StepBatch | str) -> None:
-        """To every worker: a step to launch, "collect" (reply with the oldest step's results) or
-        "abandon" (forget the steps not collected)."""
+    def profile(self, trace_dir: str | None, record_host: bool = True) -> None:
+        self._send(("profile", trace_dir, record_host))
+        self._collect("profiled")
+
+    def _send(self, message: StepBatch | str | tuple) -> None:
+        """To every worker: a step to launch, "collect" (reply with the oldest step's results),
+        "abandon" (forget the steps not collected) or ("profile", ...) (reply when done)."""
         if self.failure is not None:
             raise WorkerError(self.failure)
         data = pickle.dumps(message)
@@ -437,6 +448,11 @@ class TorchrunExecutor:
         dist.broadcast_object_list(["abandon"], src=0, group=self.control)
         self.runner.abandon()
 
+    def profile(self, trace_dir: str | None, record_host: bool = True) -> None:
+        dist.broadcast_object_list([("profile", trace_dir, record_host)], src=0, group=self.control)
+        self.runner.profile(trace_dir, record_host)
+        dist.barrier(group=self.control)  # every rank's trace is written
+
     def shutdown(self) -> None:
         self._finalizer()
 
@@ -466,6 +482,9 @@ def serve_torchrun_rank(rank: int, local_rank: int, args: EngineArgs, dtype: tor
             runner.collect()  # every rank reads its results back, so none runs ahead unboundedly
         elif message[0] == "abandon":
             runner.abandon()
+        elif isinstance(message[0], tuple):  # ("profile", trace_dir, record_host)
+            runner.profile(*message[0][1:])
+            dist.barrier(group=control)
         else:
             runner.launch(message[0])
     dist.destroy_process_group()
