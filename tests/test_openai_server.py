@@ -15,8 +15,10 @@ MAX_MODEL_LEN = 128
 
 @pytest.fixture(scope="module")
 def server(make_llama, tmp_path_factory):
+    profile_dir = tmp_path_factory.mktemp("profile")
     with running_server(make_llama(tokenizer=True), "--max-model-len", str(MAX_MODEL_LEN),
-                        log_dir=tmp_path_factory.mktemp("server")) as proc:
+                        "--profile-dir", str(profile_dir), log_dir=tmp_path_factory.mktemp("server")) as proc:
+        proc.profile_dir = profile_dir
         yield proc
 
 
@@ -148,6 +150,22 @@ def test_seed_makes_sampling_reproducible(client, model):
     texts = {client.completions.create(model=model, prompt="w1", max_tokens=8, temperature=1.0, seed=7).choices[0].text
              for _ in range(2)}
     assert len(texts) == 1
+
+
+def test_profile_endpoints_record_the_steps_in_between(server, client, model):
+    def post(path: str) -> httpx.Response:
+        return httpx.post(f"{server.base_url}{path}", timeout=60)
+
+    assert post("/start_profile").status_code == 200
+    again = post("/start_profile")
+    assert again.status_code == 400 and "already recording" in again.json()["error"]["message"]
+    client.completions.create(model=model, prompt="profile me", max_tokens=4)
+    assert post("/stop_profile").json() == {"status": "written", "profile_dir": str(server.profile_dir)}
+    events = json.loads((server.profile_dir / "rank0.trace.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::linear" for e in events)
+    stop = post("/stop_profile")
+    assert stop.status_code == 400 and "no profile is recording" in stop.json()["error"]["message"]
+    assert client.completions.create(model=model, prompt="still serving", max_tokens=2).choices[0].text is not None
 
 
 def test_metrics_page(server, client, model):
@@ -337,3 +355,7 @@ def test_speculation_ran(spec_server):
     assert spec_server.metric("atom_like:spec_decode_num_drafts_total") > 0
     total = spec_server.metric("atom_like:kv_cache_total_blocks")
     assert spec_server.wait_for_metric("atom_like:kv_cache_free_blocks", lambda free: free == total) == total
+
+
+def test_profile_endpoints_exist_only_with_a_profile_dir(spec_server):
+    assert httpx.post(f"{spec_server.base_url}/start_profile", timeout=30).status_code == 404

@@ -1,7 +1,7 @@
 """The one thread that owns the LLMEngine.
 
 The engine is synchronous and not thread-safe, so HTTP handlers never call it. They hand
-commands (submit, abort) to this thread through a thread-safe queue; the thread applies them
+commands (submit, abort, a call such as start_profile) to this thread through a thread-safe queue; the thread applies them
 between engine steps, steps the engine while it has work and sleeps on the queue while it has
 none. Results go back to each HTTP request's asyncio.Queue (its "sink") through
 `loop.call_soon_threadsafe`, one call per step for all requests.
@@ -21,11 +21,13 @@ never ends the thread: the requests it touched fail, the rest keep running.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from atom_like.entrypoints.metrics import EngineState, ServerMetrics, StatsLogger
@@ -72,6 +74,12 @@ class _Submit:
 @dataclass(frozen=True)
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[object], object]  # given the engine, on the engine thread
+    future: concurrent.futures.Future
 
 
 _STOP = object()
@@ -127,6 +135,12 @@ class EngineLoop:
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(_Abort(request_ids))
 
+    def call(self, fn: Callable[[object], object]) -> concurrent.futures.Future:
+        """fn(engine) on the engine thread between steps; the future holds its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, future))
+        return future
+
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._thread is not None:
             self._commands.put(_STOP)
@@ -179,6 +193,11 @@ class EngineLoop:
         while command is not _STOP:
             if isinstance(command, _Submit):
                 deliveries.append((command.sink, self._admit(command)))
+            elif isinstance(command, _Call):
+                try:
+                    command.future.set_result(command.fn(self.engine))
+                except Exception as exc:  # the caller's to report; the engine keeps serving
+                    command.future.set_exception(exc)
             else:
                 self._abort(command.request_ids)
             try:

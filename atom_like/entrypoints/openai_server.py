@@ -61,6 +61,9 @@ def make_parser() -> argparse.ArgumentParser:
              "Seconds a client has to send its request headers, and then its body, before the connection is dropped.")
     add_flag(parser, "stats_interval", float, 10.0, "Seconds between stats log lines while busy (0: never).")
     add_flag(parser, "disable_uvicorn_access_log", bool, False, "Do not log one line per HTTP request.")
+    add_flag(parser, "profile_dir", str, None,
+             "Enables POST /start_profile and /stop_profile: a torch.profiler trace of every rank's steps in between, "
+             "written to DIR/rank<r>.trace.json (open in Perfetto).")
     return parser
 
 
@@ -104,7 +107,7 @@ _RESPONSES = {
 
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None, public_metrics: bool = False,
               max_request_bytes: int = 4 << 20, read_timeout: float = 30.0, limits: RequestLimits = RequestLimits(),
-              stats_interval: float = 10.0) -> FastAPI:
+              stats_interval: float = 10.0, profile_dir: str | None = None) -> FastAPI:
     metrics = ServerMetrics(engine.stats().num_speculative_tokens)
     engine_loop = EngineLoop(engine, metrics, stats_interval)
     tokenizers = TokenizerPool(engine.tokenizer)
@@ -164,6 +167,23 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
             return JSONResponse({"status": "error", "error": f"warm-up forward failed: {engine_loop.warmup_error}"}, 503)
         return JSONResponse({"status": "loading"}, 503)
 
+    if profile_dir is not None:  # as vLLM and SGLang: only when the operator asked for it
+        async def on_engine(fn) -> None:
+            try:
+                await asyncio.wrap_future(engine_loop.call(fn))
+            except RuntimeError as exc:  # already recording / nothing recording
+                raise OpenAIError(400, str(exc), type="invalid_request_error") from None
+
+        @app.post("/start_profile", responses={400: {"description": "a profile is already recording"}})
+        async def start_profile():
+            await on_engine(lambda e: e.start_profile(profile_dir))
+            return {"status": "recording", "profile_dir": profile_dir}
+
+        @app.post("/stop_profile", responses={400: {"description": "no profile is recording"}})
+        async def stop_profile():
+            await on_engine(lambda e: e.stop_profile())
+            return {"status": "written", "profile_dir": profile_dir}
+
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
                         401: _RESPONSES[401]})
@@ -207,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine.from_engine_args(engine_args)
     served_model_name = args.served_model_name or os.path.basename(os.path.normpath(engine_args.model))
     app = build_app(engine, served_model_name, args.api_key, args.public_metrics, args.max_request_bytes,
-                    args.read_timeout, RequestLimits(max_sequences=args.max_sequences_per_request), args.stats_interval)
+                    args.read_timeout, RequestLimits(max_sequences=args.max_sequences_per_request), args.stats_interval,
+                    args.profile_dir)
     TimedH11Protocol.header_timeout = args.read_timeout
     # The engine's start-up heap (model, tokenizer, graphs: ~355k objects with SmolLM2) lives as long
     # as the server; left in the collector's oldest generation, each full collection walks it, a
