@@ -10,9 +10,12 @@ step, the k that maximises expected tokens per second:
 - E[accepted | k] = sum_{j=1..k} prod_{i<j} a_i, from a_i, the running probability that draft
   position i is accepted when every position before it was (exponentially weighted per step,
   `AcceptanceTracker`). A position never reached borrows the estimate of the one before it.
-- T(batch, k): the device time of a decode step that verifies k drafts and proposes k more (the
-  steady state), per graph batch bucket (`StepCosts`): measured at start-up by replaying the
-  captured decode graphs, cached on disk; on CPU or without graphs a fixed table.
+- T(batch, k) = max(device, host): the device time of a decode step that verifies k drafts and
+  proposes k more (the steady state), per graph batch bucket (`StepCosts`: measured at start-up
+  by replaying the captured decode graphs, cached on disk; on CPU or without graphs a fixed
+  table), and, where that was measured, the host time such steps took on this engine (`StepTimes`:
+  observed online, medians per bucket and k). A small model's steps can be host-bound: every k
+  then costs about the same period, which device time alone would not show.
 
 Timing on an overlapped pipeline: the drafts a step verifies were proposed by the step before,
 so choosing k at the launch of step N decides what step N + 1 verifies. The host learns the
@@ -34,8 +37,10 @@ import hashlib
 import json
 import logging
 import os
+import statistics
+import time
 from abc import ABC, abstractmethod
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import asdict, dataclass
 
 logger = logging.getLogger(__name__)
@@ -55,6 +60,9 @@ class DraftLengthPolicy(ABC):
 
     def observe(self, step: int, drafted: int, accepted: int) -> None:
         """One sequence of step `step` verified `drafted` drafts and accepted the first `accepted`."""
+
+    def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
+        """A steady decode step of `num_seqs` sequences at k drafts took `seconds` of host time."""
 
 
 class FixedDraftLength(DraftLengthPolicy):
@@ -106,6 +114,11 @@ class AcceptanceTracker:
         return out
 
 
+def bucket_index(buckets: list[int], num_seqs: int) -> int:
+    """The smallest bucket holding num_seqs sequences (the largest past them all)."""
+    return next((i for i, n in enumerate(buckets) if n >= num_seqs), len(buckets) - 1)
+
+
 @dataclass
 class StepCosts:
     """Seconds (or any common unit) of a decode step at batch bucket `buckets[b]` that verifies k
@@ -114,8 +127,13 @@ class StepCosts:
     seconds: list[list[float]]
     source: str  # "measured on <device>", "cache <path>" or "fixed table"
 
+    @property
+    def measured(self) -> bool:
+        """Seconds of this device (measured, or cached measurements), not the fixed table's units."""
+        return self.source != "fixed table"
+
     def step_time(self, num_seqs: int, k: int) -> float:
-        b = next((i for i, n in enumerate(self.buckets) if n >= num_seqs), len(self.buckets) - 1)
+        b = bucket_index(self.buckets, num_seqs)
         t = self.seconds[b][k]
         # past the largest bucket (eager steps): grow with the batch, as a verify step does
         return t * num_seqs / self.buckets[b] if num_seqs > self.buckets[b] else t
@@ -159,12 +177,81 @@ class StepCosts:
             logger.warning("could not cache the decode step costs at %s: %s", path, e)
 
 
+class StepTimes:
+    """Host seconds of steady decode steps (k the same as the step before), per batch bucket and
+    k: the wall time from a step's launch call to the next one's, less the time the host spent
+    waiting for the device in between (StepClock measures it). A launch that blocks on the
+    device would count as host time; none does on the decode path (device-side sampling and
+    acceptance), and a price of max(device, host) is not raised by it anyway: such a host time
+    is at most the step's device time plus the host's own.
+
+    host_time(n, k) is the median of the last WINDOW samples at (bucket, k) once MIN_SAMPLES
+    exist; a k not observed at that bucket is interpolated (or extrapolated, never below 0)
+    from the two nearest observed ks, and taken as flat from a single one. Flat is the bold
+    guess: it makes a host-bound step's longer drafts look free, so the policy tries them, and
+    its first samples there supply the slope (docs/adaptive_speculation.md)."""
+
+    WINDOW, MIN_SAMPLES = 16, 3
+
+    def __init__(self, buckets: list[int]):
+        self.buckets = list(buckets)
+        self._samples: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=self.WINDOW))
+
+    def observe(self, num_seqs: int, k: int, seconds: float) -> None:
+        self._samples[bucket_index(self.buckets, num_seqs), k].append(seconds)
+
+    def observed(self, num_seqs: int) -> dict[int, float]:
+        """{k: median host seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
+        b = bucket_index(self.buckets, num_seqs)
+        return {kk: statistics.median(d) for (bb, kk), d in sorted(self._samples.items())
+                if bb == b and len(d) >= self.MIN_SAMPLES}
+
+    def host_time(self, num_seqs: int, k: int) -> float | None:
+        seen = list(self.observed(num_seqs).items())
+        if not seen:
+            return None
+        exact = dict(seen).get(k)
+        if exact is not None or len(seen) == 1:
+            return exact if exact is not None else seen[0][1]
+        (k0, t0), (k1, t1) = sorted(seen, key=lambda kt: (abs(kt[0] - k), kt[0]))[:2]
+        return max(0.0, t0 + (t1 - t0) * (k - k0) / (k1 - k0))
+
+
+class StepClock:
+    """Times the engine's steps for DraftLengthPolicy.observe_host: `begin` at every step call,
+    `waited` for each wait on the device (collect) inside it, `end` with the (sequences, k) of
+    the pure decode step the call launched (None: nothing, or a step with prompt chunks). `end`
+    returns a sample (sequences, k, host seconds): the previous launch's period less its waits,
+    when this launch has the same k (steady: the step verified as many drafts as it proposes)
+    and nothing came between."""
+
+    def __init__(self):
+        self._entry = self._wait = 0.0
+        self._last: tuple[float, int, int, float] | None = None  # (entry, sequences, k, wait) of the last launch
+
+    def begin(self) -> None:
+        self._entry, self._wait = time.perf_counter(), 0.0
+
+    def waited(self, seconds: float) -> None:
+        self._wait += seconds
+
+    def end(self, launched: tuple[int, int] | None) -> tuple[int, int, float] | None:
+        last, self._last = self._last, None
+        if launched is None:
+            return None
+        self._last = (self._entry, *launched, self._wait)
+        if last is None or last[2] != launched[1]:
+            return None
+        return last[1], last[2], self._entry - last[0] - last[3]
+
+
 class AdaptiveDraftLength(DraftLengthPolicy):
     """k = argmax rate(k) (module note), from the acceptance of steps up to N - 2."""
 
     def __init__(self, max_drafts: int, costs: StepCosts, tracker: AcceptanceTracker | None = None):
         self.max_drafts, self.costs = max_drafts, costs
         self.tracker = tracker or AcceptanceTracker(max_drafts)
+        self.times = StepTimes(costs.buckets)
         self._pending: dict[int, list[tuple[int, int]]] = defaultdict(list)
         self._merged = -1  # the last step merged into the tracker
 
@@ -172,10 +259,20 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         if step > self._merged:  # (a step already merged cannot be observed: see choose)
             self._pending[step].append((drafted, accepted))
 
+    def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
+        self.times.observe(num_seqs, k, seconds)
+
+    def step_time(self, num_seqs: int, k: int) -> float:
+        """T(batch, k): device time, raised to the host time observed where the device time is
+        measured (the fixed table's units are not seconds)."""
+        device = self.costs.step_time(num_seqs, k)
+        host = self.times.host_time(num_seqs, k) if self.costs.measured else None
+        return device if host is None else max(device, host)
+
     def choose(self, step: int, num_seqs: int) -> int:
         for s in range(self._merged + 1, step - 1):
             self.tracker.end_step(self._pending.pop(s, []))
         self._merged = max(self._merged, step - 2)
         gain = self.tracker.expected_accepted()
-        rates = [(1 + gain[k]) / self.costs.step_time(max(num_seqs, 1), k) for k in range(self.max_drafts + 1)]
+        rates = [(1 + gain[k]) / self.step_time(max(num_seqs, 1), k) for k in range(self.max_drafts + 1)]
         return max(range(self.max_drafts + 1), key=lambda k: (rates[k], -k))

@@ -13,7 +13,8 @@ import pytest
 from oracle_proposer import OracleProposer, accept_first
 
 from atom_like import LLMEngine, SamplingParams
-from spec_decode.adaptive import AcceptanceTracker, AdaptiveDraftLength, DraftLengthPolicy, StepCosts
+from spec_decode.adaptive import (AcceptanceTracker, AdaptiveDraftLength, DraftLengthPolicy, StepClock, StepCosts,
+                                  StepTimes)
 
 rng = np.random.default_rng(5)
 PROMPTS = [[int(x) for x in rng.integers(0, 128, n)] for n in (3, 21, 9)]
@@ -242,6 +243,57 @@ def test_costs_cache_round_trip(tmp_path, monkeypatch):
     assert back.step_time(5, 1) == 2.6 and back.step_time(16, 2) == pytest.approx(6.8)  # bucket 8; past it, scaled
 
 
+def test_step_times_medians_and_the_k_they_have_not_seen():
+    times = StepTimes([1, 8])
+    assert times.host_time(1, 2) is None
+    for t in (1.0, 9.0, 1.2):  # a median: one slow outlier does not move it
+        times.observe(1, 2, t)
+    assert times.host_time(1, 2) == 1.2 and times.host_time(1, 5) == 1.2  # one k seen: flat
+    assert times.host_time(8, 2) is None  # another bucket
+    for _ in range(3):
+        times.observe(1, 4, 2.0)
+    assert times.host_time(1, 3) == pytest.approx(1.6)  # between two seen ks
+    assert times.host_time(1, 5) == pytest.approx(2.4) and times.host_time(1, 0) == pytest.approx(0.4)
+    for _ in range(3):
+        times.observe(1, 0, 3.0)
+    assert times.host_time(1, 1) == pytest.approx(2.1)  # from the two nearest: k = 0 and 2
+    times.observe(1, 7, 100.0)  # fewer than MIN_SAMPLES: not used
+    assert times.host_time(1, 7) == pytest.approx(2.0 + 0.4 * 3)
+
+
+def test_host_bound_steps_are_priced_by_their_host_time():
+    """Device times that grow with k, a host that takes longer than any of them: the policy moves
+    from the device-priced k to the longest drafts (they cost no more), then back to the k whose
+    host time, once seen, pays."""
+    costs = StepCosts([1], [[0.3e-3, 0.4e-3, 0.5e-3, 0.6e-3, 0.7e-3, 0.8e-3]], "measured on d")
+    policy = AdaptiveDraftLength(5, costs, AcceptanceTracker(5, prior=0.5, prior_weight=1.0))
+    assert policy.choose(0, 1) == 1  # device time alone: a = 0.5 pays for one draft
+    for _ in range(3):
+        policy.observe_host(1, 1, 1.5e-3)
+    assert policy.step_time(1, 4) == 1.5e-3 and policy.choose(1, 1) == 5  # host-bound: every k costs 1.5 ms
+    for _ in range(3):
+        policy.observe_host(1, 5, 3.1e-3)  # ... until k = 5 turns out to cost the host 0.4 ms a draft
+    assert policy.step_time(1, 3) == pytest.approx(2.3e-3) and policy.choose(2, 1) == 1
+    fixed = AdaptiveDraftLength(5, StepCosts.fixed([1], 5), AcceptanceTracker(5, prior=0.5, prior_weight=1.0))
+    for _ in range(3):
+        fixed.observe_host(1, 1, 100.0)
+    assert fixed.step_time(1, 1) == StepCosts.fixed([1], 5).step_time(1, 1)  # the table's units are not seconds
+
+
+def test_step_clock_samples_steady_decode_periods(monkeypatch):
+    now = iter([0.0, 10.0, 25.0, 31.0, 40.0, 52.0])
+    monkeypatch.setattr("spec_decode.adaptive.time.perf_counter", lambda: next(now))
+    clock = StepClock()
+    samples = []
+    for launched, wait in (((4, 2), 3.0), ((4, 2), 5.0), ((4, 3), 0.0), ((4, 3), 1.0), (None, 0.0), ((4, 3), 0.0)):
+        clock.begin()
+        clock.waited(wait)
+        samples.append(clock.end(launched))
+    # period 0 -> 10 less its 3 s wait; 10 -> 25 ends at a new k; 25 -> 31 steady again; nothing
+    # launched at 40, so the launch at 52 has no period to close
+    assert samples == [None, (4, 2, 7.0), None, (4, 3, 6.0), None, None]
+
+
 def test_adaptive_engine_is_lossless_and_follows_acceptance(llama):
     """The real policy in the engine (CPU: the fixed cost table): all drafts accepted -> k stays
     high; none -> k drops to 0 after the first verifications; the tokens never change."""
@@ -255,6 +307,9 @@ def test_adaptive_engine_is_lossless_and_follows_acceptance(llama):
         assert run(engine, PROMPTS, GREEDY) == baseline
         assert chosen[-1] == expect, chosen
         assert_no_leak(engine)
+        # the engine timed its steady decode steps for the policy, at the ks it ran
+        seen = policy.times.observed(len(PROMPTS))
+        assert expect in seen and all(t > 0 for t in seen.values()), seen
 
 
 def test_adaptive_is_opt_in_with_eagle3(llama, make_eagle3_llama):

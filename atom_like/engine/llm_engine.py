@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from atom_like.engine.tp_executor import StepExecutor, make_executor
 from atom_like.loader.weights import check_checkpoint_files
 from atom_like.models.registry import target_model_class
 from atom_like.sampling_params import RequestOutput, SamplingParams
-from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
+from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength, StepClock
 from spec_decode.stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class LLMEngine:
             adaptive = self.args.speculative_adaptive and self.args.method == "eagle3" and proposer_factory is None
             self.draft_policy = (AdaptiveDraftLength(self.runner.num_spec_tokens, self.runner.step_costs) if adaptive
                                  else FixedDraftLength(self.runner.num_spec_tokens))
+        # the host time of decode steps, which the adaptive policy prices a step by where the host bounds it
+        self._clock = StepClock()
         self._ids = itertools.count()
         logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d, prefix caching %s", self.args.model,
                     self.device, str(self.dtype).removeprefix("torch."), self.max_model_len,
@@ -229,6 +232,7 @@ class LLMEngine:
             # a failed launch or collect leaves the pipeline in an unknown state: drop what is in
             # flight (the caller decides what becomes of the requests it was running)
             self._in_flight = None
+            self._clock.end(None)  # no period spans a failure
             self.runner.abandon()
             for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
                 seq.in_flight.clear()
@@ -236,6 +240,8 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs = []
+        self._clock.begin()
+        decode = None  # (sequences, k) of a pure decode step launched by this call
         if self._in_flight is not None and (not self.args.overlap_scheduling or self._needs_every_token()):
             outputs = self._collect()
         batch = self.scheduler.schedule()
@@ -247,11 +253,16 @@ class LLMEngine:
             self._finished_ids.clear()
             launched = (batch, self._num_launched)
             self._num_launched += 1
+            if all([item.num_new_tokens == 1 and item.samples for item in batch.seqs]):
+                decode = (len(batch.seqs), k)
         if self._in_flight is not None:
             outputs += self._collect()
         self._in_flight = launched
         if launched is not None and not self.args.overlap_scheduling:
             outputs += self._collect()
+        sample = self._clock.end(decode)
+        if sample is not None and self.draft_policy is not None:
+            self.draft_policy.observe_host(*sample)
         return outputs
 
     def _num_drafts(self, batch: ScheduledBatch) -> int:
@@ -278,7 +289,9 @@ class LLMEngine:
 
     def _collect(self) -> list[RequestOutput]:
         (batch, step), self._in_flight = self._in_flight, None
+        start = time.perf_counter()
         results = self.runner.collect()
+        self._clock.waited(time.perf_counter() - start)
         prompt_only = []
         for item, result in zip(batch.seqs, results):
             if item.spec_token_ids and item.seq.status is not SequenceStatus.FINISHED:  # as SpecStats counts them
