@@ -129,8 +129,8 @@ class StepCosts:
 
     @property
     def measured(self) -> bool:
-        """Seconds of this device (measured, or cached measurements), not the fixed table's units."""
-        return self.source != "fixed table"
+        """Seconds measured on this device (now or cached), not a table in relative units."""
+        return self.source.startswith(("measured", "cache"))
 
     def step_time(self, num_seqs: int, k: int) -> float:
         b = bucket_index(self.buckets, num_seqs)

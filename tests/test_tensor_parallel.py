@@ -108,6 +108,8 @@ def test_llama_tp2_sampling_features_prefix_cache_weights_profiles_and_a_killed_
     for rank in (0, 1):
         events = json.loads((tmp_path / "tp2" / f"rank{rank}.trace.json").read_text())["traceEvents"]
         assert any(e.get("name") == "aten::linear" for e in events), rank
+    with pytest.raises(RuntimeError, match="no profile is recording"):  # refused; the ranks keep serving
+        engine.stop_profile()
     with pytest.raises(RuntimeError, match="no profile is recording"):
         one.stop_profile()
     one.start_profile(str(tmp_path / "tp1"))

@@ -225,8 +225,7 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn: multiprocessing.connection.
             elif message == "abandon":
                 runner.abandon()
             elif isinstance(message, tuple):  # ("profile", trace_dir, record_host)
-                runner.profile(*message[1:])
-                conn.send(("profiled", None))
+                conn.send(("profiled", _try_profile(runner, *message[1:])))
             else:
                 runner.launch(message)
     except BaseException as exc:  # noqa: BLE001 - whatever it is, the driver must hear of it before we go
@@ -236,6 +235,16 @@ def _worker_main(rank: int, spec: _WorkerSpec, conn: multiprocessing.connection.
             pass  # the driver is gone already
         raise SystemExit(1) from None
     dist.destroy_process_group()
+
+
+def _try_profile(runner: ModelRunner, trace_dir: str | None, record_host: bool) -> str | None:
+    """runner.profile; a refusal (already recording, nothing recording) is the caller's error to
+    report, not a reason for the rank to exit."""
+    try:
+        runner.profile(trace_dir, record_host)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 def _exit_with_parent() -> None:
@@ -297,7 +306,9 @@ class SpawnExecutor:
 
     def profile(self, trace_dir: str | None, record_host: bool = True) -> None:
         self._send(("profile", trace_dir, record_host))
-        self._collect("profiled")
+        refused = [why for why in self._collect("profiled") if why is not None]
+        if refused:
+            raise RuntimeError(refused[0])
 
     def _send(self, message: StepBatch | str | tuple) -> None:
         """To every worker: a step to launch, "collect" (reply with the oldest step's results),
@@ -449,8 +460,8 @@ class TorchrunExecutor:
         self.runner.abandon()
 
     def profile(self, trace_dir: str | None, record_host: bool = True) -> None:
+        self.runner.profile(trace_dir, record_host)  # first: a refusal here reaches no other rank
         dist.broadcast_object_list([("profile", trace_dir, record_host)], src=0, group=self.control)
-        self.runner.profile(trace_dir, record_host)
         dist.barrier(group=self.control)  # every rank's trace is written
 
     def shutdown(self) -> None:
@@ -482,8 +493,10 @@ def serve_torchrun_rank(rank: int, local_rank: int, args: EngineArgs, dtype: tor
             runner.collect()  # every rank reads its results back, so none runs ahead unboundedly
         elif message[0] == "abandon":
             runner.abandon()
-        elif isinstance(message[0], tuple):  # ("profile", trace_dir, record_host)
-            runner.profile(*message[0][1:])
+        elif isinstance(message[0], tuple):  # ("profile", trace_dir, record_host): rank 0 accepted it
+            why = _try_profile(runner, *message[0][1:])
+            if why is not None:
+                logger.warning("rank %d: %s", rank, why)
             dist.barrier(group=control)
         else:
             runner.launch(message[0])

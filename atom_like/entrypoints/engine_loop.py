@@ -1,9 +1,9 @@
 """The one thread that owns the LLMEngine.
 
 The engine is synchronous and not thread-safe, so HTTP handlers never call it. They hand
-commands (submit, abort, a call such as start_profile) to this thread through a thread-safe queue; the thread applies them
-between engine steps, steps the engine while it has work and sleeps on the queue while it has
-none. Results go back to each HTTP request's asyncio.Queue (its "sink") through
+commands (submit, abort, a call such as start_profile) to this thread through a thread-safe
+queue; the thread applies them between engine steps, steps the engine while it has work and
+sleeps on the queue while it has none. Results go back to each HTTP request's asyncio.Queue (its "sink") through
 `loop.call_soon_threadsafe`, one call per step for all requests.
 
 Fair admission: an admitted submit's requests wait here, not in the engine's queue, and are
