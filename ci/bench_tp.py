@@ -295,7 +295,7 @@ CONFIG_NAMES = {"tp1": "-", "nccl": "nccl", "one-shot": "one-shot", "fused": "on
 
 
 def bench_speed(results: Results, names: list[str], batches: list[int], prompt_len: int, max_tokens: int,
-                profile_steps: int = 0, configs: tuple[str, ...] = tuple(CONFIG_NAMES.values())) -> None:
+                profile_steps: int = 0, all_reduces: tuple[str, ...] = tuple(CONFIG_NAMES.values())) -> None:
     from bench_models import prompts
 
     from atom_like import LLMEngine
@@ -307,7 +307,7 @@ def bench_speed(results: Results, names: list[str], batches: list[int], prompt_l
         with tempfile.TemporaryDirectory() as folder:
             path, params = save_random_model(configs[name](), os.path.join(folder, name))
             for tp, reduce in SPEED_CONFIGS:
-                if reduce not in configs or results.over_budget(part="speed", model=name, tp=tp, all_reduce=reduce):
+                if reduce not in all_reduces or results.over_budget(part="speed", model=name, tp=tp, all_reduce=reduce):
                     continue
                 engine = None
                 try:  # a failure is recorded and the other configurations still run
@@ -458,7 +458,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-# ----------------------------------------------------------------------------- report
+# ----------------------------------------------------------------------------- main
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
