@@ -6,7 +6,8 @@ RMSNorm. Done apart that is a one-shot all-reduce kernel (two cross-GPU barriers
 norm kernel; here every program owns one row and does all of it, with one barrier:
 
 1. wait for the kernel before (PDL), bump its own call counter (`epoch`, in this rank's memory;
-   every rank makes the same calls, so the counters agree) and write its partial row into this
+   every rank makes the same calls, so the counters agree; counted modulo EPOCHS = 2^30, and
+   compared as serial numbers, so a server that runs for days never overflows an int32) and write its partial row into this
    rank's buffer, in slot epoch % 2;
 2. signal: store `epoch` into its flag on every peer (release, system scope, after a CTA barrier,
    so the row's stores are visible first), then wait until every peer's flag here reaches
@@ -38,6 +39,7 @@ from kernels_rocm._util import SUPPORTED_DTYPES, check_same_device, check_tensor
 from kernels_rocm.rms_norm import rms_scale
 
 SPIN_LIMIT = 1 << 26  # polls of a flag (~ seconds) before a wait gives up
+EPOCHS = 1 << 30  # call counters wrap here (even: the slot parity survives the wrap)
 
 
 @triton.jit
@@ -45,13 +47,13 @@ def _allreduce_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, bufs, flags, counter_ptr, errors_ptr,
     stride_x: tl.int64, stride_residual: tl.int64, stride_out: tl.int64, hidden, eps, max_rows,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, SPIN_LIMIT: tl.constexpr,
-    PDL: tl.constexpr,
+    EPOCHS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    epoch = tl.load(counter_ptr + row) + 1
+    epoch = (tl.load(counter_ptr + row) + 1) & (EPOCHS - 1)
     tl.store(counter_ptr + row, epoch)
     dtype = x_ptr.dtype.element_ty
     place = ((epoch % 2) * max_rows + row).to(tl.int64) * hidden + offs  # this row in its slot of every buffer
@@ -66,8 +68,12 @@ def _allreduce_rms_norm_kernel(
             flag = flags[RANK] + peer * max_rows + row
             seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
             polls = 0
-            while (seen < epoch) & (polls < SPIN_LIMIT):
+            # wait while the peer's last signal is before `epoch`, as serial numbers modulo EPOCHS
+            # (a peer is never more than one call ahead or behind)
+            behind = (epoch - seen) & (EPOCHS - 1)
+            while (behind > 0) & (behind < EPOCHS // 2) & (polls < SPIN_LIMIT):
                 seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                behind = (epoch - seen) & (EPOCHS - 1)
                 polls += 1
             if polls >= SPIN_LIMIT:
                 tl.atomic_add(errors_ptr, 1)
@@ -114,7 +120,7 @@ def allreduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torc
         _allreduce_rms_norm_kernel[(rows,)](
             x, residual, weight, out, tuple(bufs), tuple(flags), counters, errors,
             x.stride(0), residual.stride(0), out.stride(0), hidden, eps, max_rows,
-            RANK=rank, WORLD=world, BLOCK=block, SPIN_LIMIT=SPIN_LIMIT,
+            RANK=rank, WORLD=world, BLOCK=block, SPIN_LIMIT=SPIN_LIMIT, EPOCHS=EPOCHS,
             num_warps=min(16, max(1, block // 512)), **pdl.launch_args(x.device),
         )
     return out

@@ -51,6 +51,34 @@ def test_sums_in_rank_order_then_adds_and_normalizes(world, rank):
     assert counters.tolist() == [4, 3, 2, 1] and errors.item() == 0  # row r ran in every call of > r rows
 
 
+def test_call_counters_wrap_without_losing_a_call():
+    """After EPOCHS calls a row's counter wraps to 0 (an int32 never overflows, days of serving):
+    the peers' signals compare as serial numbers and the slots keep alternating across the wrap."""
+    world, rank = 2, 0
+    bufs, flags, counters, errors = _setup(world)
+    counters.fill_(mod.EPOCHS - 2)
+    flags[rank].fill_(mod.EPOCHS - 2)  # the peer's signal of the call before
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(HIDDEN, generator=g)
+    for _ in range(4):  # epochs EPOCHS - 1, 0, 1, 2
+        epoch = (int(counters[0]) + 1) % mod.EPOCHS
+        parts = [torch.randn(2, HIDDEN, generator=g) for _ in range(world)]
+        bufs[1].view(2, MAX_ROWS, HIDDEN)[epoch % 2, :2] = parts[1]
+        residual = torch.randn(2, HIDDEN, generator=g)
+        ref, _ = fused_add_rms_norm(parts[0] + parts[1], residual.clone(), weight, 1e-6)
+        stale = flags[rank].view(world, MAX_ROWS)[1, :2].clone()
+        with pytest.MonkeyPatch.context() as patch:  # before the peer signals (its flag a call behind), no pass
+            patch.setattr(mod, "SPIN_LIMIT", 3)
+            mod.allreduce_add_rms_norm(parts[0], residual.clone(), weight, 1e-6, bufs, flags, counters.clone(),
+                                       errors, rank)
+        assert errors.item() == 2 and torch.equal(flags[rank].view(world, MAX_ROWS)[1, :2], stale)
+        errors.zero_()
+        flags[rank].view(world, MAX_ROWS)[1, :2] = epoch  # now the peer's row of this call is there
+        out = mod.allreduce_add_rms_norm(parts[0], residual, weight, 1e-6, bufs, flags, counters, errors, rank)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        assert counters[:2].tolist() == [epoch] * 2 and errors.item() == 0
+
+
 def test_a_peer_that_never_arrives_ends_the_wait(monkeypatch):
     monkeypatch.setattr(mod, "SPIN_LIMIT", 3)
     bufs, flags, counters, errors = _setup(2)
