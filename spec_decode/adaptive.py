@@ -132,11 +132,12 @@ class StepCosts:
         """Seconds measured on this device (now or cached), not a table in relative units."""
         return self.source.startswith(("measured", "cache"))
 
-    def step_time(self, num_seqs: int, k: int) -> float:
+    def step_times(self, num_seqs: int) -> list[float]:
+        """Seconds of a step of num_seqs sequences for every k, 0..max_drafts."""
         b = bucket_index(self.buckets, num_seqs)
-        t = self.seconds[b][k]
         # past the largest bucket (eager steps): grow with the batch, as a verify step does
-        return t * num_seqs / self.buckets[b] if num_seqs > self.buckets[b] else t
+        grow = num_seqs / self.buckets[b] if num_seqs > self.buckets[b] else 1.0
+        return [t * grow for t in self.seconds[b]]
 
     @classmethod
     def fixed(cls, buckets: list[int], max_drafts: int) -> "StepCosts":
@@ -185,9 +186,9 @@ class StepTimes:
     acceptance), and a price of max(device, host) is not raised by it anyway: such a host time
     is at most the step's device time plus the host's own.
 
-    host_time(n, k) is the median of the last WINDOW samples at (bucket, k) once MIN_SAMPLES
-    exist; a k not observed at that bucket is interpolated (or extrapolated, never below 0)
-    from the two nearest observed ks, and taken as flat from a single one. Flat is the bold
+    A step's host time at k is the median of the last WINDOW samples at (bucket, k) once
+    MIN_SAMPLES exist; a k not observed at that bucket is interpolated (or extrapolated, never
+    below 0) from the two nearest observed ks, and taken as flat from a single one. Flat is the bold
     guess: it makes a host-bound step's longer drafts look free, so the policy tries them, and
     its first samples there supply the slope (docs/adaptive_speculation.md)."""
 
@@ -196,25 +197,35 @@ class StepTimes:
     def __init__(self, buckets: list[int]):
         self.buckets = list(buckets)
         self._samples: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=self.WINDOW))
+        # per bucket, {k: median} of the ks with MIN_SAMPLES samples: kept up to date by observe (one
+        # median of <= WINDOW values a step) so that choose reads it without sorting anything
+        self._medians: dict[int, dict[int, float]] = defaultdict(dict)
 
     def observe(self, num_seqs: int, k: int, seconds: float) -> None:
-        self._samples[bucket_index(self.buckets, num_seqs), k].append(seconds)
+        b = bucket_index(self.buckets, num_seqs)
+        samples = self._samples[b, k]
+        samples.append(seconds)
+        if len(samples) >= self.MIN_SAMPLES:
+            self._medians[b][k] = statistics.median(samples)
 
     def observed(self, num_seqs: int) -> dict[int, float]:
         """{k: median host seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
-        b = bucket_index(self.buckets, num_seqs)
-        return {kk: statistics.median(d) for (bb, kk), d in sorted(self._samples.items())
-                if bb == b and len(d) >= self.MIN_SAMPLES}
+        return dict(sorted(self._medians[bucket_index(self.buckets, num_seqs)].items()))
 
-    def host_time(self, num_seqs: int, k: int) -> float | None:
-        seen = list(self.observed(num_seqs).items())
+    def host_times(self, num_seqs: int, max_k: int) -> list[float] | None:
+        """Host seconds of a step at k = 0..max_k (None: nothing observed at this bucket)."""
+        seen = self._medians[bucket_index(self.buckets, num_seqs)]
         if not seen:
             return None
-        exact = dict(seen).get(k)
-        if exact is not None or len(seen) == 1:
-            return exact if exact is not None else seen[0][1]
-        (k0, t0), (k1, t1) = sorted(seen, key=lambda kt: (abs(kt[0] - k), kt[0]))[:2]
-        return max(0.0, t0 + (t1 - t0) * (k - k0) / (k1 - k0))
+        return [seen[k] if k in seen else _interpolate(seen, k) for k in range(max_k + 1)]
+
+
+def _interpolate(seen: dict[int, float], k: int) -> float:
+    """From the two seen ks nearest k (ties: the lower), flat from a single one, never below 0."""
+    if len(seen) == 1:
+        return next(iter(seen.values()))
+    k0, k1 = sorted(seen, key=lambda kk: (abs(kk - k), kk))[:2]
+    return max(0.0, seen[k0] + (seen[k1] - seen[k0]) * (k - k0) / (k1 - k0))
 
 
 class StepClock:
@@ -262,17 +273,18 @@ class AdaptiveDraftLength(DraftLengthPolicy):
     def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
         self.times.observe(num_seqs, k, seconds)
 
-    def step_time(self, num_seqs: int, k: int) -> float:
-        """T(batch, k): device time, raised to the host time observed where the device time is
-        measured (the fixed table's units are not seconds)."""
-        device = self.costs.step_time(num_seqs, k)
-        host = self.times.host_time(num_seqs, k) if self.costs.measured else None
-        return device if host is None else max(device, host)
+    def step_times(self, num_seqs: int) -> list[float]:
+        """T(batch, k) for k = 0..max_drafts: device time, raised to the host time observed where
+        the device time is measured (the fixed table's units are not seconds)."""
+        device = self.costs.step_times(num_seqs)[: self.max_drafts + 1]
+        host = self.times.host_times(num_seqs, self.max_drafts) if self.costs.measured else None
+        return device if host is None else [max(d, h) for d, h in zip(device, host)]
 
     def choose(self, step: int, num_seqs: int) -> int:
         for s in range(self._merged + 1, step - 1):
             self.tracker.end_step(self._pending.pop(s, []))
         self._merged = max(self._merged, step - 2)
         gain = self.tracker.expected_accepted()
-        rates = [(1 + gain[k]) / self.step_time(max(num_seqs, 1), k) for k in range(self.max_drafts + 1)]
+        times = self.step_times(max(num_seqs, 1))
+        rates = [(1 + g) / t for g, t in zip(gain, times)]
         return max(range(self.max_drafts + 1), key=lambda k: (rates[k], -k))

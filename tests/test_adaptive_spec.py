@@ -240,25 +240,25 @@ def test_costs_cache_round_trip(tmp_path, monkeypatch):
     back = StepCosts.load(key)
     assert (back.buckets, back.seconds) == (costs.buckets, costs.seconds) and back.source.startswith("cache ")
     assert StepCosts.load(dict(key, k=3)) is None
-    assert back.step_time(5, 1) == 2.6 and back.step_time(16, 2) == pytest.approx(6.8)  # bucket 8; past it, scaled
+    assert back.step_times(5)[1] == 2.6 and back.step_times(16)[2] == pytest.approx(6.8)  # bucket 8; past it, scaled
 
 
 def test_step_times_medians_and_the_k_they_have_not_seen():
     times = StepTimes([1, 8])
-    assert times.host_time(1, 2) is None
+    assert times.host_times(1, 7) is None
     for t in (1.0, 9.0, 1.2):  # a median: one slow outlier does not move it
         times.observe(1, 2, t)
-    assert times.host_time(1, 2) == 1.2 and times.host_time(1, 5) == 1.2  # one k seen: flat
-    assert times.host_time(8, 2) is None  # another bucket
+    assert times.host_times(1, 7)[2] == 1.2 and times.host_times(1, 7)[5] == 1.2  # one k seen: flat
+    assert times.host_times(8, 7) is None  # another bucket
     for _ in range(3):
         times.observe(1, 4, 2.0)
-    assert times.host_time(1, 3) == pytest.approx(1.6)  # between two seen ks
-    assert times.host_time(1, 5) == pytest.approx(2.4) and times.host_time(1, 0) == pytest.approx(0.4)
+    assert times.host_times(1, 7)[3] == pytest.approx(1.6)  # between two seen ks
+    assert times.host_times(1, 7)[5] == pytest.approx(2.4) and times.host_times(1, 7)[0] == pytest.approx(0.4)
     for _ in range(3):
         times.observe(1, 0, 3.0)
-    assert times.host_time(1, 1) == pytest.approx(2.1)  # from the two nearest: k = 0 and 2
+    assert times.host_times(1, 7)[1] == pytest.approx(2.1)  # from the two nearest: k = 0 and 2
     times.observe(1, 7, 100.0)  # fewer than MIN_SAMPLES: not used
-    assert times.host_time(1, 7) == pytest.approx(2.0 + 0.4 * 3)
+    assert times.host_times(1, 7)[7] == pytest.approx(2.0 + 0.4 * 3)
 
 
 def test_host_bound_steps_are_priced_by_their_host_time():
@@ -270,14 +270,14 @@ def test_host_bound_steps_are_priced_by_their_host_time():
     assert policy.choose(0, 1) == 1  # device time alone: a = 0.5 pays for one draft
     for _ in range(3):
         policy.observe_host(1, 1, 1.5e-3)
-    assert policy.step_time(1, 4) == 1.5e-3 and policy.choose(1, 1) == 5  # host-bound: every k costs 1.5 ms
+    assert policy.step_times(1)[4] == 1.5e-3 and policy.choose(1, 1) == 5  # host-bound: every k costs 1.5 ms
     for _ in range(3):
         policy.observe_host(1, 5, 3.1e-3)  # ... until k = 5 turns out to cost the host 0.4 ms a draft
-    assert policy.step_time(1, 3) == pytest.approx(2.3e-3) and policy.choose(2, 1) == 1
+    assert policy.step_times(1)[3] == pytest.approx(2.3e-3) and policy.choose(2, 1) == 1
     fixed = AdaptiveDraftLength(5, StepCosts.fixed([1], 5), AcceptanceTracker(5, prior=0.5, prior_weight=1.0))
     for _ in range(3):
         fixed.observe_host(1, 1, 100.0)
-    assert fixed.step_time(1, 1) == StepCosts.fixed([1], 5).step_time(1, 1)  # the table's units are not seconds
+    assert fixed.step_times(1)[1] == StepCosts.fixed([1], 5).step_times(1)[1]  # the table's units are not seconds
 
 
 def test_step_clock_samples_steady_decode_periods(monkeypatch):
