@@ -253,7 +253,8 @@ class LLMEngine:
             self._finished_ids.clear()
             launched = (batch, self._num_launched)
             self._num_launched += 1
-            if all([item.num_new_tokens == 1 and item.samples for item in batch.seqs]):
+            if self.draft_policy is not None and all([item.num_new_tokens == 1 and item.samples
+                                                      for item in batch.seqs]):
                 decode = (len(batch.seqs), k)
         if self._in_flight is not None:
             outputs += self._collect()
@@ -261,7 +262,7 @@ class LLMEngine:
         if launched is not None and not self.args.overlap_scheduling:
             outputs += self._collect()
         sample = self._clock.end(decode)
-        if sample is not None and self.draft_policy is not None:
+        if sample is not None:
             self.draft_policy.observe_host(*sample)
         return outputs
 
