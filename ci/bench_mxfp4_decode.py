@@ -2,7 +2,7 @@
 vs the grouped-GEMM path (forced with its MoeConfig) vs the bf16 fused MoE, one GPU, one run.
 
 Kimi-K2.5's per-rank TP8 shape (E384, top-8, H7168, I256) and full width (I2048), T = 1, 2, 4,
-8, 16 tokens, uniform random routing, W4A16 and W4A4 (fused activation QDQ). Timing and byte
+8, 16 tokens, uniform random routing, W4A16 and W4A4 (activations quantized to codes, integer dots). Timing and byte
 counts as ci/bench_mxfp4.py (CUDA-graph replays, L2 flushed, medians; GB/s over the packed
 weights + scales of the experts hit + x + out, as a fraction of the copy bandwidth measured in
 the same run). Every decode-path row is checked against the dequantize reference (relative

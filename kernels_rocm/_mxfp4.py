@@ -129,20 +129,92 @@ def round_to_e2m1(v):
 
 
 @triton.jit
-def qdq_mxfp4_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """MXFP4 quantize-dequantize of an fp32 [ROWS, COLS] tile (COLS a multiple of 32), per 32
-    consecutive columns, with Quark's "even" scale: amax rounded at fp32 mantissa bit 21,
-    exponent floor(log2) - 2 clamped to [-127, 127]; a block holding NaN/inf becomes NaN."""
-    blocks = tl.reshape(x, [ROWS, COLS // 32, 32])
-    amax = tl.max(tl.abs(blocks), axis=2)
+def _max_with_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _even_scale(blocks):
+    """Quark's "even" scale of fp32 blocks [ROWS, B, 32]: (exponent [ROWS, B], finite [ROWS, B]):
+    amax rounded at fp32 mantissa bit 21, exponent floor(log2) - 2 clamped to [-127, 127];
+    `finite` is False for a block holding NaN/inf (the max keeps NaN: a plain GPU max drops it,
+    which would leave a NaN block a finite scale and, in integer codes, lose the NaN)."""
+    amax = tl.reduce(tl.abs(blocks), 2, _max_with_nan)
     bits = amax.to(tl.int32, bitcast=True)
     field = ((bits + (1 << 21)) >> 23) & 0xFF
     exponent = tl.where(field == 255, 127, tl.minimum(tl.maximum(field - 129, -127), 127))
-    finite = (bits & 0x7F800000) != 0x7F800000
+    return exponent, (bits & 0x7F800000) != 0x7F800000
+
+
+@triton.jit
+def qdq_mxfp4_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """MXFP4 quantize-dequantize of an fp32 [ROWS, COLS] tile (COLS a multiple of 32), per 32
+    consecutive columns, with Quark's "even" scale (_even_scale); a block holding NaN/inf
+    becomes NaN."""
+    blocks = tl.reshape(x, [ROWS, COLS // 32, 32])
+    exponent, finite = _even_scale(blocks)
     scale = tl.where(finite, e8m0_to_fp32(exponent + 127), float("nan"))
     inv_scale = e8m0_to_fp32(127 - exponent)  # 2^-exponent, exact (multiplying by it = dividing)
     q = round_to_e2m1(blocks * inv_scale[:, :, None]) * scale[:, :, None]
     return tl.reshape(q, [ROWS, COLS])
+
+
+@triton.jit
+def quantize_mxfp4_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The MXFP4 quantization qdq_mxfp4_blocks dequantizes, kept as integers: (codes, scales),
+    codes int8 [ROWS, COLS] twice the E2M1 value (-12..12), scales int32 [ROWS, COLS // 32] E8M0
+    bytes, so that qdq = codes / 2 * 2^(scale - 127); a block holding NaN/inf gets codes 0 and
+    scale byte 255 (NaN), which makes every product with it NaN as the QDQ'd value does."""
+    blocks = tl.reshape(x, [ROWS, COLS // 32, 32])
+    exponent, finite = _even_scale(blocks)
+    inv_scale = e8m0_to_fp32(127 - exponent)
+    q = tl.where(finite[:, :, None], round_to_e2m1(blocks * inv_scale[:, :, None]), 0.0)
+    return tl.reshape((q * 2.0).to(tl.int8), [ROWS, COLS]), tl.where(finite, exponent + 127, 255)
+
+
+@triton.jit
+def e2m1_to_int(nibbles):
+    """int32 E2M1 codes (0..15, sign in bit 3) -> twice their value, exact (-12..12)."""
+    m = nibbles & 7
+    mag = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+    return tl.where(nibbles >= 8, -mag, mag)
+
+
+@triton.jit
+def e2m1_dot_ptx(w, x_lo, x_hi):
+    """CUDA: sum over the 8 E2M1 codes of w (int32, element i in nibble i, as packed) of twice
+    their value times the int8 activations x_lo (elements 0..3, byte i = element i) and x_hi
+    (elements 4..7): an exact int32, in 14 instructions for 8 weights.
+
+    prmt looks each group of 4 codes up in the byte table {0, 1, 2, 3, 4, 6, 8, 12} (twice the
+    E2M1 magnitudes), the codes' low 16 bits as the selector: a code whose sign bit is set
+    selects in prmt's sign-replicate mode, which gives 0x00 (no table byte has its top bit
+    set), so one lookup gives the positive codes' values and zeros, and a second on the codes
+    with their sign bits flipped gives the negative codes' magnitudes and zeros. dp4a (signed
+    int8 x int8, four products and the sum an instruction) then adds the first and the second
+    group's products, which are subtracted.
+    """
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 lo_tab, hi_tab, zero, flipped, w_hi, flipped_hi, t, pos, neg;
+        mov.b32 lo_tab, 0x03020100;
+        mov.b32 hi_tab, 0x0C080604;
+        mov.b32 zero, 0;
+        xor.b32 flipped, $1, 0x88888888;
+        shr.u32 w_hi, $1, 16;
+        shr.u32 flipped_hi, flipped, 16;
+        prmt.b32 t, lo_tab, hi_tab, $1;
+        dp4a.s32.s32 pos, t, $2, zero;
+        prmt.b32 t, lo_tab, hi_tab, w_hi;
+        dp4a.s32.s32 pos, t, $3, pos;
+        prmt.b32 t, lo_tab, hi_tab, flipped;
+        dp4a.s32.s32 neg, t, $2, zero;
+        prmt.b32 t, lo_tab, hi_tab, flipped_hi;
+        dp4a.s32.s32 neg, t, $3, neg;
+        sub.s32 $0, pos, neg;
+        }""",
+        "=r,r,r,r", [w, x_lo, x_hi], dtype=tl.int32, is_pure=True, pack=1,
+    )
 
 
 @triton.jit

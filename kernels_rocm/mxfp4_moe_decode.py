@@ -31,10 +31,17 @@ in each lane's registers sharing its activation block. Only the byte axis is con
 Triton gives it to one lane and spreads KL, then G, over lanes and warps (order [3, 0, 1, 2]),
 and the activation tile [KL, G, 4, 8] (32 values a lane, in 16-byte pieces) gets the same
 distribution: nothing crosses lanes in the loops.
-With MXFP4 activations (W4A4) x and h are quantize-dequantized once each by `qdq_rows` (a launch
-each, values exact in x's dtype) before the kernels read them: quantizing inside the kernels
-redid it in every program (the first version: 53.1 against the grouped path's 51.1 µs at T = 1
-on Kimi TP8). Fixed summation order: deterministic. Decisions from shapes only: graph-capturable.
+With MXFP4 activations (W4A4, Kimi-K2.5 as released) x and h are quantized once each by
+`quantize_rows` (a launch each: int8 codes, twice the E2M1 value, and E8M0 scale bytes) and the
+kernels multiply codes by codes: every 32-element block is an exact integer dot product
+(`_int_block_partial`; on CUDA `_mxfp4.e2m1_dot_ptx`: prmt table lookups and dp4a, 14
+instructions for 8 weights), scaled once by both blocks' scales. E2M1 products times powers of
+two and their block sums are exact in fp32, so this is, bit for bit, what dequantizing the
+weights against QDQ'd activations computes (CPU test), at 355 instructions a lane per 128
+gate/up weights in the sm_90 loop against 845 with the dequantizing decode (docs/benchmarks.md
+section 6). Earlier designs: QDQ inside every program (53.1 µs against the grouped path's 51.1
+at T = 1 on Kimi TP8), then a QDQ launch and the W4A16 kernels (31.8 µs).
+Fixed summation order: deterministic. Decisions from shapes only: graph-capturable.
 """
 from __future__ import annotations
 
@@ -46,10 +53,12 @@ import triton.language as tl
 
 from kernels_rocm._mxfp4 import (
     MX_BLOCK,
+    e2m1_dot_ptx,
     e2m1_pair_to_bf16_ptx,
     e2m1_pair_to_fp32,
+    e2m1_to_int,
     e8m0_to_fp32,
-    qdq_mxfp4_blocks,
+    quantize_mxfp4_blocks,
     silu_mul,
 )
 from kernels_rocm import _pdl as pdl
@@ -106,17 +115,61 @@ def _activation_block(ptrs, valid, KL: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _qdq_rows_kernel(x_ptr, out_ptr, stride_x: tl.int64, stride_out: tl.int64, width,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out[row] = qdq_mxfp4(x[row]) per 32 consecutive values, rounded back to out's dtype (a
-    width that is a multiple of 32: the masked tail holds whole blocks)."""
+def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, stride_x: tl.int64, stride_codes: tl.int64,
+                          stride_scales: tl.int64, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """codes[row], scales[row] = the MXFP4 quantization of x[row] per 32 consecutive values
+    (quantize_mxfp4_blocks; a width that is a multiple of 32: the masked tail holds whole
+    blocks), the codes of each block in paired word order (`quantize_rows`)."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = cols < width
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    q = qdq_mxfp4_blocks(x, 1, BLOCK)
-    tl.store(out_ptr + row * stride_out + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    codes, scales = quantize_mxfp4_blocks(x, 1, BLOCK)
+    word = (cols % 32) // 4
+    paired = cols - cols % 32 + (word // 2 + 4 * (word % 2)) * 4 + cols % 4
+    tl.store(codes_ptr + row * stride_codes + paired, codes, mask=mask)
+    blocks = (tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32))[None, :]
+    tl.store(scales_ptr + row * stride_scales + blocks, scales.to(tl.uint8), mask=blocks * 32 < width)
+
+
+@triton.jit
+def _e2m1_dot(w, x_lo, x_hi):
+    """e2m1_dot_ptx in portable Triton (ROCm, the interpreter): the same exact int32 sums."""
+    dot = tl.zeros(w.shape, tl.int32)
+    for i in tl.static_range(4):
+        dot += e2m1_to_int((w >> (4 * i)) & 15) * ((x_lo << (24 - 8 * i)) >> 24)
+        dot += e2m1_to_int((w >> (16 + 4 * i)) & 15) * ((x_hi << (24 - 8 * i)) >> 24)
+    return dot
+
+
+@triton.jit
+def _int_block_partial(w_ptrs, s_ptrs, x_lo, x_hi, a_scale, valid, PTX_DOT: tl.constexpr):
+    """`_block_partial` for MXFP4 activations (W4A4): one 32-element block per (lane, row) as an
+    exact integer dot product of the codes, scaled once.
+
+    w_ptrs [KL, G, R, 4] the block's packed bytes as int32 words (8 codes each), s_ptrs [KL, G, R]
+    E8M0 bytes, x_lo / x_hi [KL, G, 1, 4] the activation codes (twice the E2M1 value, int8) for
+    each weight word's elements 0..3 / 4..7, a_scale [KL, 1, 1] the activation block's scale / 4.
+    Every product of two E2M1 values times a power of two is exact in fp32, and so is their sum
+    over a block: (dot * a_scale) * w_scale is the fp32 value the dequantized path sums, bit for
+    bit."""
+    words = tl.load(w_ptrs, mask=valid[:, :, :, None], other=0)
+    if PTX_DOT:
+        dots = e2m1_dot_ptx(words, x_lo, x_hi)
+    else:
+        dots = _e2m1_dot(words, x_lo, x_hi)
+    scale = e8m0_to_fp32(tl.load(s_ptrs, mask=valid, other=127))
+    return (tl.sum(dots, axis=3).to(tl.float32) * a_scale) * scale
+
+
+@triton.jit
+def _int_activation_block(codes_ptrs, scale_ptrs, valid):
+    """A lane's activation block for `_int_block_partial`: codes_ptrs [KL, G, 1, 4] at the
+    block's first word (paired order: words 0, 2, 4, 6 then 1, 3, 5, 7), scale_ptrs [KL, 1, 1]."""
+    x_lo = tl.load(codes_ptrs, mask=valid[:, :, :, None], other=0)
+    x_hi = tl.load(codes_ptrs + 4, mask=valid[:, :, :, None], other=0)
+    return x_lo, x_hi, e8m0_to_fp32(tl.load(scale_ptrs, mask=valid, other=127)) * 0.25
 
 
 @triton.jit
@@ -134,13 +187,15 @@ def _tile_offsets(N, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
 # stride_sk is the scales' K stride (1), passed unspecialized: were it known to be 1, Triton would
 # vectorize the scale loads across neighbouring lanes, giving them a layout unlike the weights'
 # and a shared-memory layout conversion in every loop step (seen in the sm_90 SASS).
+# A_INT (W4A4): x / h are MXFP4 codes as int32 words with their scale bytes (`quantize_rows`), the
+# weights int32 words (strides in words), and each block is an integer dot (`_int_block_partial`).
 @triton.jit(do_not_specialize=["stride_sk"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, ids_ptr,
     N, K, E, stride_sk,  # N = intermediate size I (gate rows [0, N), up rows [N, 2N)), K = hidden size H, E experts
-    stride_xm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
+    stride_xm: tl.int64, stride_xsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
     stride_se: tl.int64, stride_sn: tl.int64, stride_hm: tl.int64,
-    TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr,
+    TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr,
     KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -149,83 +204,124 @@ def _gate_up_kernel(
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     expert = tl.where((expert >= 0) & (expert < E), expert, 0)  # in bounds; _down_kernel drops the pair
     rows, row_valid, lane, byte, act = _tile_offsets(N, KL, G, R)
-    w_gate = w_ptr + expert * stride_we + rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
-    w_up = w_gate + N * stride_wn
     s_gate = s_ptr + expert * stride_se + rows * stride_sn + lane * stride_sk
     s_up = s_gate + N * stride_sn
-    a_ptrs = x_ptr + (pair // TOP_K) * stride_xm + lane[:, :, :, None] * 32 + act
     gate = tl.zeros([KL, G, R], dtype=tl.float32)
     up = tl.zeros([KL, G, R], dtype=tl.float32)
     num_blocks = K // 32
-    for j0 in range(0, num_blocks, KL):
-        valid = lane + j0 < num_blocks
-        a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, KL, G)
-        gate += _block_partial(w_gate + j0 * 16, s_gate + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
-        up += _block_partial(w_up + j0 * 16, s_up + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
+    if A_INT:
+        words = _int_words(G)
+        w_gate = w_ptr + expert * stride_we + rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 4 + words
+        w_up = w_gate + N * stride_wn
+        x_words = x_ptr + (pair // TOP_K) * stride_xm + lane[:, :, :, None] * 8 + words
+        x_scales = xs_ptr + (pair // TOP_K) * stride_xsm + lane
+        for j0 in range(0, num_blocks, KL):
+            valid = lane + j0 < num_blocks
+            x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
+            gate += _int_block_partial(w_gate + j0 * 4, s_gate + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
+                                       PTX_DECODE)
+            up += _int_block_partial(w_up + j0 * 4, s_up + j0 * stride_sk, x_lo, x_hi, a_scale, valid, PTX_DECODE)
+    else:
+        w_gate = w_ptr + expert * stride_we + rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
+        w_up = w_gate + N * stride_wn
+        a_ptrs = x_ptr + (pair // TOP_K) * stride_xm + lane[:, :, :, None] * 32 + act
+        for j0 in range(0, num_blocks, KL):
+            valid = lane + j0 < num_blocks
+            a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, KL, G)
+            gate += _block_partial(w_gate + j0 * 16, s_gate + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
+            up += _block_partial(w_up + j0 * 16, s_up + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
     h = silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0), h_ptr.dtype.element_ty)  # [G, R]
     out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
     tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
 
 
 @triton.jit
-def _slot_partial(h_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, pair, E, K, stride_sk,
-                  stride_hm, stride_we, stride_se, w_tile, s_tile, lane, act,
-                  PTX_DECODE: tl.constexpr, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
-    """One (token, slot) pair's routing weight times its per-lane partial sums [KL, G, R]."""
+def _int_words(G: tl.constexpr):
+    """Word offsets 0..3 of a lane's 16 bytes, [1, G, 1, 4] (G-shaped: the same distribution over
+    lanes as the weight tile, see _tile_offsets)."""
+    return tl.arange(0, 4)[None, None, None, :] + tl.zeros([1, G, 1, 1], tl.int32)
+
+
+@triton.jit
+def _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, pair, E, K, stride_sk,
+                  stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act,
+                  PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, KL: tl.constexpr, G: tl.constexpr,
+                  R: tl.constexpr):
+    """One (token, slot) pair's routing weight times its per-lane partial sums [KL, G, R] (w_tile
+    in words with A_INT, act then `_int_words`)."""
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     known = (expert >= 0) & (expert < E)  # as in the grouped path, an id out of range adds nothing
     expert = tl.where(known, expert, 0)
-    a_ptrs = h_ptr + pair * stride_hm + lane[:, :, :, None] * 32 + act
     part = tl.zeros([KL, G, R], dtype=tl.float32)
     num_blocks = K // 32
-    for j0 in range(0, num_blocks, KL):
-        valid = (lane + j0 < num_blocks) & known
-        a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, KL, G)
-        part += _block_partial(w_ptr + expert * stride_we + w_tile + j0 * 16,
-                               s_ptr + expert * stride_se + s_tile + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
+    if A_INT:
+        h_words = h_ptr + pair * stride_hm + lane[:, :, :, None] * 8 + act
+        h_scales = hs_ptr + pair * stride_hsm + lane
+        for j0 in range(0, num_blocks, KL):
+            valid = (lane + j0 < num_blocks) & known
+            x_lo, x_hi, a_scale = _int_activation_block(h_words + j0 * 8, h_scales + j0, valid)
+            part += _int_block_partial(w_ptr + expert * stride_we + w_tile + j0 * 4,
+                                       s_ptr + expert * stride_se + s_tile + j0 * stride_sk, x_lo, x_hi, a_scale,
+                                       valid, PTX_DECODE)
+    else:
+        a_ptrs = h_ptr + pair * stride_hm + lane[:, :, :, None] * 32 + act
+        for j0 in range(0, num_blocks, KL):
+            valid = (lane + j0 < num_blocks) & known
+            a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, KL, G)
+            part += _block_partial(w_ptr + expert * stride_we + w_tile + j0 * 16,
+                                   s_ptr + expert * stride_se + s_tile + j0 * stride_sk, a_even, a_odd, valid,
+                                   PTX_DECODE)
     return part * tl.load(topk_weights_ptr + pair)
 
 
 @triton.jit(do_not_specialize=["stride_sk"])
 def _down_kernel(
-    h_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, topk_weights_ptr,
+    h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, topk_weights_ptr,
     N, K, E, stride_sk,  # N = hidden size H (output rows), K = intermediate size I, E experts
-    stride_hm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
+    stride_hm: tl.int64, stride_hsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
     stride_se: tl.int64, stride_sn: tl.int64, stride_om: tl.int64,
-    TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, UNROLL_SLOTS: tl.constexpr,
+    TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, UNROLL_SLOTS: tl.constexpr,
     KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     rows, row_valid, lane, byte, act = _tile_offsets(N, KL, G, R)
-    w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
+    if A_INT:
+        act = _int_words(G)
+        w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 4 + act
+    else:
+        w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
     s_tile = rows * stride_sn + lane * stride_sk
     acc = tl.zeros([KL, G, R], dtype=tl.float32)
     if UNROLL_SLOTS:  # the K slots' loads in flight together (a short I is one step a slot)
         for slot in tl.static_range(TOP_K):
-            acc += _slot_partial(h_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token * TOP_K + slot, E, K, stride_sk,
-                                 stride_hm, stride_we, stride_se, w_tile, s_tile, lane, act,
-                                 PTX_DECODE, KL, G, R)
+            acc += _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token * TOP_K + slot, E, K,
+                                 stride_sk, stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act,
+                                 PTX_DECODE, A_INT, KL, G, R)
     else:
         for slot in range(TOP_K):
-            acc += _slot_partial(h_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token * TOP_K + slot, E, K, stride_sk,
-                                 stride_hm, stride_we, stride_se, w_tile, s_tile, lane, act,
-                                 PTX_DECODE, KL, G, R)
+            acc += _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token * TOP_K + slot, E, K,
+                                 stride_sk, stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act,
+                                 PTX_DECODE, A_INT, KL, G, R)
     out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
     tl.store(out_ptr + token * stride_om + out_rows, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=row_valid)
 
 
-def qdq_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """qdq_mxfp4 of each row of x [M, W] (W a multiple of 32), in x's dtype, in one launch; `out`
-    may be x itself."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP4 quantization of each row of x [M, W] (W a multiple of 32), Quark's even scale, in
+    one launch: (codes int8 [M, W], twice each E2M1 value; scales uint8 [M, W / 32]). The codes of
+    a 32-block are stored in paired word order, words (4 codes each) 0, 2, 4, 6, 1, 3, 5, 7, so
+    that the decode kernels read a weight word's 8 activations as word i of each half."""
     rows, width = x.shape
-    out = torch.empty_like(x) if out is None else out
+    codes = torch.empty(rows, width, dtype=torch.int8, device=x.device)
+    scales = torch.empty(rows, width // MX_BLOCK, dtype=torch.uint8, device=x.device)
     if rows and width:
         block = min(1024, triton.next_power_of_2(width))
-        _qdq_rows_kernel[(rows, triton.cdiv(width, block))](
-            x, out, x.stride(0), out.stride(0), width, BLOCK=block, num_warps=4, **pdl.launch_args(x.device))
-    return out
+        _quantize_rows_kernel[(rows, triton.cdiv(width, block))](
+            x, codes, scales, x.stride(0), codes.stride(0), scales.stride(0), width, BLOCK=block, num_warps=4,
+            **pdl.launch_args(x.device))
+    return codes, scales
 
 
 def _tile(k: int, rows: int, warps: int) -> tuple[int, int, int]:
@@ -257,24 +353,37 @@ def fused_moe_mxfp4_decode(
     top_k = topk_ids.shape[1]
     cfg = config or DecodeConfig()
     _check_config(cfg)
-    ptx = not IS_HIP and not INTERPRET  # exact bf16 values, widened to fp32 before the FMAs
-    if quantize_activations:
-        x = qdq_rows(x)
+    ptx = not IS_HIP and not INTERPRET  # the CUDA weight decode / integer dot in PTX
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    if quantize_activations:  # W4A4: integer dots of the codes, the weights read as int32 words
+        (x, x_scales), w13, w2 = quantize_rows(x), _words(w13, "w13"), _words(w2, "w2")
+        x = x.view(torch.int32)
+    else:
+        x_scales = x  # unused
     kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps)
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, g * r))](
-        x, w13, w13_scale, h, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
-        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
-        TOP_K=top_k, PTX_DECODE=ptx, KL=kl, G=g, R=r, num_warps=cfg.gate_up_warps,
-        **pdl.launch_args(x.device),
+        x, x_scales, w13, w13_scale, h, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
+        x.stride(0), x_scales.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        h.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, KL=kl, G=g, R=r,
+        num_warps=cfg.gate_up_warps, **pdl.launch_args(x.device),
     )
+    h_in, h_scales = h, h
     if quantize_activations:
-        qdq_rows(h, out=h)
+        h_in, h_scales = quantize_rows(h)
+        h_in = h_in.view(torch.int32)
     kl, g, r = _tile(inter, cfg.down_rows, cfg.down_warps)
     _down_kernel[(num_tokens, triton.cdiv(hidden, g * r))](
-        h, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
-        h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
-        TOP_K=top_k, PTX_DECODE=ptx, UNROLL_SLOTS=not IS_HIP,
+        h_in, h_scales, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
+        h_in.stride(0), h_scales.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        out.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, UNROLL_SLOTS=not IS_HIP,
         KL=kl, G=g, R=r, num_warps=cfg.down_warps, **pdl.launch_args(x.device),
     )
     return out
+
+
+def _words(w: torch.Tensor, name: str) -> torch.Tensor:
+    """Packed MXFP4 bytes [E, N, K/2] as int32 words [E, N, K/8] (8 codes a word, same memory)."""
+    if w.stride(-1) != 1 or any(st % 4 for st in w.stride()[:-1]) or w.data_ptr() % 16:
+        raise ValueError(f"{name}: the W4A4 decode path reads packed weights as 16-byte aligned int32 words; "
+                         f"got strides {w.stride()} at offset {w.data_ptr() % 16} mod 16")
+    return w.view(torch.int32)

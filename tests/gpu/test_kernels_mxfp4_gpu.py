@@ -172,6 +172,20 @@ def _fp8_upcast_probe_kernel(codes_ptr, out_ptr, N: tl.constexpr):
 
 
 @pytest.mark.skipif(torch.version.hip is not None, reason="the PTX upcast is the CUDA path")
+@pytest.mark.parametrize("case", ["random", "extreme scales", "nan block"])
+def test_ptx_integer_dot_equals_the_ptx_dequantized_dot_bit_for_bit(case):
+    """The W4A4 decode path's prmt/dp4a block dot (e2m1_dot_ptx) against the dequantizing
+    decode of the same block on QDQ'd activations, both compiled with their CUDA asm: the same
+    fp32 bits (exact products and sums) for 256 rows of random codes, E8M0 0 / 254, NaN."""
+    from test_kernels_mxfp4_int_dot import both_partials
+
+    f, i = both_partials(case, DEVICE, ptx=torch.version.hip is None)
+    if case == "nan block":
+        assert f.isnan().all() and i.isnan().all()
+    else:
+        assert torch.isfinite(f).all() and torch.equal(f.view(torch.int32), i.view(torch.int32))
+
+
 def test_ptx_fp8_upcast_is_exact_for_every_byte():
     """Every e4m3fn byte, at each byte position of a 32-bit word, upcasts to torch's fp16 value
     bit for bit (subnormals and -0 included); 0x7F / 0xFF are NaN."""
