@@ -2,7 +2,8 @@
 vs the grouped-GEMM path (forced with its MoeConfig) vs the bf16 fused MoE, one GPU, one run.
 
 Kimi-K2.5's per-rank TP8 shape (E384, top-8, H7168, I256) and full width (I2048), T = 1, 2, 4,
-8, 16 tokens, uniform random routing, W4A16 and W4A4 (activations quantized to codes, integer dots). Timing and byte
+8, 16, 32 tokens (--tokens), uniform random routing, W4A16 and W4A4 (activations quantized to
+codes, integer dots). Timing and byte
 counts as ci/bench_mxfp4.py (CUDA-graph replays, L2 flushed, medians; GB/s over the packed
 weights + scales of the experts hit + x + out, as a fraction of the copy bandwidth measured in
 the same run). Every decode-path row is checked against the dequantize reference (relative
@@ -11,7 +12,7 @@ changed at a time) at T = 1 and 4, to choose the defaults. The summary line per 
 largest T at which the decode path is faster than the grouped path in both modes (the evidence
 for mxfp4_moe.decode_max_tokens).
 
-Usage: python ci/bench_mxfp4_decode.py [--out DIR] [--sweep]   (about 1 minute on an H100; --sweep
+Usage: python ci/bench_mxfp4_decode.py [--out DIR] [--sweep] [--tokens 1,2,4]   (about 1 minute on an H100; --sweep
 adds about 2). Writes bench_mxfp4_decode.json / .md to DIR (default $OUT or ./bench_out), prints
 the table. Exit 1 if a correctness check fails.
 """
@@ -40,19 +41,20 @@ from kernels_rocm.fused_moe import fused_moe  # noqa: E402
 from kernels_rocm.mxfp4_moe import decode_max_tokens, default_config  # noqa: E402
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig  # noqa: E402
 
-TOKENS = (1, 2, 4, 8, 16)
+TOKENS = (1, 2, 4, 8, 16, 32)  # 32: past decode_max_tokens, to see where the paths cross
 CHECK_TOKENS = (1, 8)
 SWEEP_TOKENS = (1, 4)
 SWEEP = [dict(gate_up_rows=r, gate_up_warps=w) for r, w in ((1, 4), (4, 4), (2, 2), (2, 8), (4, 8), (1, 8), (4, 2))]
 SWEEP += [dict(down_rows=r, down_warps=w) for r, w in ((1, 4), (4, 4), (2, 2), (2, 8), (1, 8), (4, 2))]
 
 
-def bench(copy_gbps: float, sweep: bool) -> tuple[list[dict], list[dict], list[str]]:
+def bench(copy_gbps: float, sweep: bool,
+          token_counts: tuple[int, ...] = TOKENS) -> tuple[list[dict], list[dict], list[str]]:
     rows, sweep_rows, failures = [], [], []
     for name, shape in MOE_SHAPES.items():
         weights = MoeWeights(shape, with_bf16=True)
         gen = torch.Generator(device=DEVICE).manual_seed(1)
-        for tokens in TOKENS:
+        for tokens in token_counts:
             x, topk_weights, ids, out, hit, num_bytes = moe_call_inputs(weights, tokens, gen)
             grouped = default_config(tokens, weights.top_k, weights.num_experts, weights.hidden, weights.inter,
                                      torch.device(DEVICE))
@@ -134,6 +136,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     parser.add_argument("--sweep", action="store_true", help="time DecodeConfig variants at T = 1 and 4")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts to time")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_mxfp4_decode: no CUDA/ROCm GPU available", file=sys.stderr)
@@ -141,7 +144,7 @@ def main() -> int:
     start = time.time()
     copy = measure_copy_bandwidth()
     print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
-    rows, sweep_rows, failures = bench(copy["gbps"], args.sweep)
+    rows, sweep_rows, failures = bench(copy["gbps"], args.sweep, tuple(int(t) for t in args.tokens.split(",")))
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "date": time.strftime("%Y-%m-%d"), "copy": copy, "rows": rows, "sweep": sweep_rows,
                "summary": summarize(rows) + (failures or ["correctness: all checks passed"]),
