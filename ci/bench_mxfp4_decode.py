@@ -102,7 +102,8 @@ def summarize(rows: list[dict]) -> list[str]:
                   and r["w4a16_decode_us"] < r["w4a16_grouped_us"] and r["w4a4_decode_us"] < r["w4a4_grouped_us"]]
         one = next(r for r in rows if r["shape"] == shape and r["tokens"] == 1)
         lines.append(f"{shape}: decode path faster than grouped (both modes) at T = {faster or 'none'}; "
-                     f"decode_max_tokens = {decode_max_tokens(one['inter'])}; T=1 W4A16 {one['w4a16_grouped_us'] / one['w4a16_decode_us']:.2f}x, "
+                     f"decode_max_tokens W4A16 / W4A4 = {decode_max_tokens(one['inter'], False)} / "
+                     f"{decode_max_tokens(one['inter'], True)}; T=1 W4A16 {one['w4a16_grouped_us'] / one['w4a16_decode_us']:.2f}x, "
                      f"W4A4 {one['w4a4_grouped_us'] / one['w4a4_decode_us']:.2f}x the grouped path, "
                      f"{one['bf16_us'] / one['w4a16_decode_us']:.2f}x the bf16 MoE (W4A16)")
     return lines

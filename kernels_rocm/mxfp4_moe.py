@@ -6,8 +6,8 @@
         h = qdq_mxfp4(h) if quantize_activations
         out[t] += topk_weights[t, k] * (h @ W2[e]^T)
 
-Up to `decode_max_tokens(I)` tokens `fused_moe_mxfp4` takes the GEMV-style decode path instead
-(`mxfp4_moe_decode`: no alignment, no tl.dot, two launches, and two QDQ launches with W4A4). The grouped path follows the
+Up to `decode_max_tokens(I, W4A4)` tokens `fused_moe_mxfp4` takes the GEMV-style decode path instead
+(`mxfp4_moe_decode`: no alignment, no tl.dot, two launches, and two quantize launches with W4A4). The grouped path follows the
 structure of `fused_moe` (same routing alignment, `moe_align_block_size`): pairs sorted by
 expert and padded to BLOCK_M, a grouped GEMM over (M block, N tile) programs that exit past the
 used length, then the sum over a token's K rows. The MXFP4 parts (see `_mxfp4`):
@@ -51,18 +51,22 @@ from kernels_rocm.mxfp4_linear import GemmConfig, choose_split_k, dot_dtype, ptx
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig, fused_moe_mxfp4_decode
 
 # Up to this many tokens fused_moe_mxfp4 takes the GEMV-style decode path (mxfp4_moe_decode).
-# Measured on an H100 (docs/benchmarks.md section 6, ci/bench_mxfp4_decode.py): decode beats the
-# grouped GEMMs at T = 1..4 on both Kimi shapes, W4A16 and W4A4 alike (TP8 rank at T = 1: 31.0 /
-# 31.8 us against 48.9 / 50.9; full width: 131.2 / 133.1 against 160.8 / 176.5), and loses from
-# T = 8 at full width (I = 2048). With a TP8 rank's narrow experts (I = 256) it wins at every T
-# measured, 1-16 (T = 16: 242.6 / 247.5 against 282.6 / 318.4): there it runs up to 16 tokens.
-DECODE_MAX_TOKENS = 4
-DECODE_MAX_TOKENS_NARROW, NARROW_INTER = 16, 256
+# Measured on an H100 (docs/benchmarks.md section 6, ci/bench_mxfp4_decode.py). With bf16
+# activations (W4A16) decode beats the grouped GEMMs at T = 1..4 on both Kimi shapes (TP8 rank at
+# T = 1: 31.0 against 48.9 us), loses from T = 8 at full width (I = 2048) and wins up to 16 with a
+# TP8 rank's narrow experts (I = 256). With MXFP4 activations (W4A4, the released Kimi-K2.5) the
+# decode kernels multiply codes by codes (integer dots) and win far longer (2026-11-23): TP8 rank
+# 268 against 480 us at T = 32, 498 / 718 at 64, 693 / 796 at 96, 906 / 876 at 128; full width
+# 1971 / 3004 at 32, 3869 / 4811 at 64, 5755 / 5271 at 96.
+DECODE_MAX_TOKENS = {False: 4, True: 64}  # by quantize_activations, experts wider than NARROW_INTER
+DECODE_MAX_TOKENS_NARROW = {False: 16, True: 96}
+NARROW_INTER = 256
 
 
-def decode_max_tokens(inter: int) -> int:
+def decode_max_tokens(inter: int, quantize_activations: bool) -> int:
     """The most tokens the decode path takes for experts of intermediate size `inter`."""
-    return DECODE_MAX_TOKENS_NARROW if inter <= NARROW_INTER else DECODE_MAX_TOKENS
+    table = DECODE_MAX_TOKENS_NARROW if inter <= NARROW_INTER else DECODE_MAX_TOKENS
+    return table[quantize_activations]
 
 
 @dataclass(frozen=True)
@@ -252,9 +256,10 @@ def fused_moe_mxfp4(
     """Routed MXFP4 experts: x [T, H] (bf16/fp16/fp32), w13 uint8 [E, 2I, H/2] (gate rows then up
     rows) with w13_scale uint8 E8M0 [E, 2I, H/32], w2 uint8 [E, H, I/2] with w2_scale [E, H, I/32],
     topk_weights [T, K] fp32, topk_ids [T, K] int32/int64 in [0, E). Returns [T, H] in x's dtype
-    (or writes `out`). Graph-capturable. Up to decode_max_tokens(I) tokens the decode path runs
-    (`mxfp4_moe_decode`), else the grouped GEMMs; `config` overrides the choice (benchmarks): a
-    MoeConfig forces the grouped GEMMs with those tiles, a DecodeConfig the decode path."""
+    (or writes `out`). Graph-capturable. Up to decode_max_tokens(I, quantize_activations) tokens
+    the decode path runs (`mxfp4_moe_decode`), else the grouped GEMMs; `config` overrides the
+    choice (benchmarks): a MoeConfig forces the grouped GEMMs with those tiles, a DecodeConfig the
+    decode path."""
     _check_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -267,7 +272,8 @@ def fused_moe_mxfp4(
                          f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if num_tokens == 0:
         return out
-    if isinstance(config, DecodeConfig) or (config is None and num_tokens <= decode_max_tokens(inter)):
+    if isinstance(config, DecodeConfig) or (
+            config is None and num_tokens <= decode_max_tokens(inter, quantize_activations)):
         return fused_moe_mxfp4_decode(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
                                       quantize_activations, out, config)
 
