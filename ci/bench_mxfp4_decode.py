@@ -41,7 +41,7 @@ from kernels_rocm.fused_moe import fused_moe  # noqa: E402
 from kernels_rocm.mxfp4_moe import decode_max_tokens, default_config  # noqa: E402
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig  # noqa: E402
 
-TOKENS = (1, 2, 4, 8, 16, 32)  # 32: past decode_max_tokens, to see where the paths cross
+TOKENS = (1, 2, 4, 8, 16, 32)  # --tokens 48,64,96,128 for where W4A4's decode and grouped paths cross
 CHECK_TOKENS = (1, 8)
 SWEEP_TOKENS = (1, 4)
 SWEEP = [dict(gate_up_rows=r, gate_up_warps=w) for r, w in ((1, 4), (4, 4), (2, 2), (2, 8), (4, 8), (1, 8), (4, 2))]
@@ -103,7 +103,8 @@ def summarize(rows: list[dict]) -> list[str]:
         one = next(r for r in rows if r["shape"] == shape and r["tokens"] == 1)
         lines.append(f"{shape}: decode path faster than grouped (both modes) at T = {faster or 'none'}; "
                      f"decode_max_tokens W4A16 / W4A4 = {decode_max_tokens(one['inter'], False)} / "
-                     f"{decode_max_tokens(one['inter'], True)}; T=1 W4A16 {one['w4a16_grouped_us'] / one['w4a16_decode_us']:.2f}x, "
+                     f"{decode_max_tokens(one['inter'], True)}; "
+                     f"T=1 W4A16 {one['w4a16_grouped_us'] / one['w4a16_decode_us']:.2f}x, "
                      f"W4A4 {one['w4a4_grouped_us'] / one['w4a4_decode_us']:.2f}x the grouped path, "
                      f"{one['bf16_us'] / one['w4a16_decode_us']:.2f}x the bf16 MoE (W4A16)")
     return lines

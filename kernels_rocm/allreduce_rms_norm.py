@@ -6,9 +6,9 @@ RMSNorm. Done apart that is a one-shot all-reduce kernel (two cross-GPU barriers
 norm kernel; here every program owns one row and does all of it, with one barrier:
 
 1. wait for the kernel before (PDL), bump its own call counter (`epoch`, in this rank's memory;
-   every rank makes the same calls, so the counters agree; counted modulo EPOCHS = 2^30, and
-   compared as serial numbers, so a server that runs for days never overflows an int32) and write its partial row into this
-   rank's buffer, in slot epoch % 2;
+   every rank makes the same calls, so the counters agree; counted modulo EPOCHS = 2^30 and
+   compared as serial numbers, so a server that runs for days never overflows an int32) and
+   write its partial row into this rank's buffer, in slot epoch % 2;
 2. signal: store `epoch` into its flag on every peer (release, system scope, after a CTA barrier,
    so the row's stores are visible first), then wait until every peer's flag here reaches
    `epoch` (acquire);
