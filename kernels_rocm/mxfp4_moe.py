@@ -7,7 +7,9 @@
         out[t] += topk_weights[t, k] * (h @ W2[e]^T)
 
 Up to `decode_max_tokens(I, W4A4)` tokens `fused_moe_mxfp4` takes the GEMV-style decode path instead
-(`mxfp4_moe_decode`: no alignment, no tl.dot, two launches, and two quantize launches with W4A4). The grouped path follows the
+(`mxfp4_moe_decode`: no alignment, no tl.dot, two launches, and two quantize launches with W4A4), then
+with W4A4 on NVIDIA up to EXPERT_GEMV_MAX_TOKENS the expert-grouped GEMVs (`mxfp4_moe_expert_gemv`:
+the decode path's integer dots over blocks of one expert's pairs). The grouped path follows the
 structure of `fused_moe` (same routing alignment, `moe_align_block_size`): pairs sorted by
 expert and padded to BLOCK_M, a grouped GEMM over (M block, N tile) programs that exit past the
 used length, then the sum over a token's K rows. The MXFP4 parts (see `_mxfp4`):
@@ -49,6 +51,7 @@ from kernels_rocm._util import (
 from kernels_rocm.fused_moe import choose_block_m, moe_align_block_size
 from kernels_rocm.mxfp4_linear import GemmConfig, choose_split_k, dot_dtype, ptx_decode, split_k_range
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig, fused_moe_mxfp4_decode
+from kernels_rocm.mxfp4_moe_expert_gemv import ExpertGemvConfig, fused_moe_mxfp4_expert_gemv
 
 # Up to this many tokens fused_moe_mxfp4 takes the GEMV-style decode path (mxfp4_moe_decode).
 # Measured on an H100 (docs/benchmarks.md section 6, ci/bench_mxfp4_decode.py). With bf16
@@ -58,15 +61,43 @@ from kernels_rocm.mxfp4_moe_decode import DecodeConfig, fused_moe_mxfp4_decode
 # decode kernels multiply codes by codes (integer dots) and win far longer (2026-11-23): TP8 rank
 # 268 against 480 us at T = 32, 498 / 718 at 64, 693 / 796 at 96, 906 / 876 at 128; full width
 # 1971 / 3004 at 32, 3869 / 4811 at 64, 5755 / 5271 at 96.
-DECODE_MAX_TOKENS = {False: 4, True: 64}  # by quantize_activations, experts wider than NARROW_INTER
-DECODE_MAX_TOKENS_NARROW = {False: 16, True: 96}
+# From 2026-11-23 (later) W4A4 hands the middle range to the expert-grouped GEMVs, which read an
+# expert once per block of its pairs (ci/bench_mxfp4_expert_gemv.py, H200): TP8 rank 360 against the
+# decode path's 373 us at T = 48, 443 / 486 at 64, 652 / 922 at 128; full width 1770 / 1917 at 32. The
+# decode path stays ahead up to 32 tokens on the TP8 rank (260 / 276 us) and 16 at full width.
+DECODE_MAX_TOKENS = {False: 4, True: 16}  # by quantize_activations, experts wider than NARROW_INTER
+DECODE_MAX_TOKENS_NARROW = {False: 16, True: 32}
+# ROCm has no expert-grouped path: there W4A4 keeps the decode path as far as it beat the grouped GEMMs
+# (H100: TP8 rank 693 against 796 us at T = 96, full width 3869 / 4811 at 64), by narrow experts or not
+W4A4_DECODE_MAX_TOKENS_ALONE = {True: 96, False: 64}
 NARROW_INTER = 256
+
+
+# With MXFP4 activations, from past the decode path up to this many tokens the expert-grouped GEMV
+# path (mxfp4_moe_expert_gemv) runs, by narrow experts (intermediate <= NARROW_INTER) or not; then the
+# grouped GEMMs (H200, ci/bench_mxfp4_expert_gemv.py: TP8 rank 818 against 934 us at T = 192, 912 / 939
+# at 224, 992 / 952 at 256, and in the Kimi step with the shared expert fused, c64 k = 3's 256-token
+# verify took 82.7 ms through it against 77.1 on the grouped GEMMs; full width 5128 / 5961 at 192,
+# 5704 / 5990 at 224, 6211 / 6100 at 256).
+EXPERT_GEMV_MAX_TOKENS = {True: 192, False: 192}
 
 
 def decode_max_tokens(inter: int, quantize_activations: bool) -> int:
     """The most tokens the decode path takes for experts of intermediate size `inter`."""
+    if quantize_activations and IS_HIP:
+        return W4A4_DECODE_MAX_TOKENS_ALONE[inter <= NARROW_INTER]
     table = DECODE_MAX_TOKENS_NARROW if inter <= NARROW_INTER else DECODE_MAX_TOKENS
     return table[quantize_activations]
+
+
+def _path(num_tokens: int, inter: int, quantize_activations: bool) -> str:
+    """"decode", "expert_gemv" or "grouped" for a call without a config."""
+    if num_tokens <= decode_max_tokens(inter, quantize_activations):
+        return "decode"
+    # NVIDIA only: compiled for gfx942 / gfx950 the portable integer dots spill VGPRs (ci/compile_kernels.py)
+    if quantize_activations and not IS_HIP and num_tokens <= EXPERT_GEMV_MAX_TOKENS[inter <= NARROW_INTER]:
+        return "expert_gemv"
+    return "grouped"
 
 
 @dataclass(frozen=True)
@@ -251,15 +282,16 @@ def fused_moe_mxfp4(
     topk_ids: torch.Tensor,
     quantize_activations: bool,
     out: torch.Tensor | None = None,
-    config: MoeConfig | DecodeConfig | None = None,
+    config: MoeConfig | DecodeConfig | ExpertGemvConfig | None = None,
 ) -> torch.Tensor:
     """Routed MXFP4 experts: x [T, H] (bf16/fp16/fp32), w13 uint8 [E, 2I, H/2] (gate rows then up
     rows) with w13_scale uint8 E8M0 [E, 2I, H/32], w2 uint8 [E, H, I/2] with w2_scale [E, H, I/32],
     topk_weights [T, K] fp32, topk_ids [T, K] int32/int64 in [0, E). Returns [T, H] in x's dtype
     (or writes `out`). Graph-capturable. Up to decode_max_tokens(I, quantize_activations) tokens
-    the decode path runs (`mxfp4_moe_decode`), else the grouped GEMMs; `config` overrides the
-    choice (benchmarks): a MoeConfig forces the grouped GEMMs with those tiles, a DecodeConfig the
-    decode path."""
+    the decode path runs (`mxfp4_moe_decode`), with MXFP4 activations up to EXPERT_GEMV_MAX_TOKENS
+    the expert-grouped GEMVs (`mxfp4_moe_expert_gemv`), else the grouped GEMMs; `config` overrides
+    the choice (benchmarks): a MoeConfig forces the grouped GEMMs with those tiles, a DecodeConfig
+    the decode path, an ExpertGemvConfig the expert-grouped GEMVs (W4A4 only)."""
     _check_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -272,10 +304,14 @@ def fused_moe_mxfp4(
                          f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if num_tokens == 0:
         return out
-    if isinstance(config, DecodeConfig) or (
-            config is None and num_tokens <= decode_max_tokens(inter, quantize_activations)):
+    path = _path(num_tokens, inter, quantize_activations) if config is None else None
+    if isinstance(config, DecodeConfig) or path == "decode":
         return fused_moe_mxfp4_decode(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
                                       quantize_activations, out, config)
+    if isinstance(config, ExpertGemvConfig) or path == "expert_gemv":
+        if not quantize_activations:
+            raise ValueError("config: the expert-grouped GEMV path multiplies MXFP4 codes (quantize_activations=True)")
+        return fused_moe_mxfp4_expert_gemv(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out, config)
 
     cfg = config or default_config(num_tokens, top_k, num_experts, hidden, inter, x.device)
     if cfg.gate_up.block_m != cfg.down.block_m:

@@ -324,22 +324,24 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
-def _tile(k: int, rows: int, warps: int) -> tuple[int, int, int]:
-    """(KL, G, R): lanes along K up to the row's 16-byte vectors (a power of two), the rest of the
-    program's lanes over row groups."""
+def _tile(k: int, rows: int, warps: int, k_lanes: int | None = None) -> tuple[int, int, int]:
+    """(KL, G, R): lanes along K up to the row's 16-byte vectors (a power of two) and `k_lanes`, the
+    rest of the program's lanes over row groups."""
     lanes = (64 if IS_HIP else 32) * warps  # one lane per (KL, G) entry (CDNA: wave64)
-    kl = min(lanes, triton.next_power_of_2(k // MX_BLOCK))
+    kl = min(lanes, k_lanes or lanes, triton.next_power_of_2(k // MX_BLOCK))
     return kl, lanes // kl, rows
 
 
-def _check_config(cfg: DecodeConfig) -> None:
-    for name in ("gate_up_rows", "down_rows"):
+def _check_config(cfg, powers_of_two: tuple[str, ...] = ("gate_up_rows", "down_rows")) -> None:
+    """ValueError naming the field unless `powers_of_two` are powers of two and the warps 1-8."""
+    name_of = type(cfg).__name__
+    for name in powers_of_two:
         value = getattr(cfg, name)
         if value < 1 or value & (value - 1):
-            raise ValueError(f"DecodeConfig.{name} must be a power of two, got {value}")
+            raise ValueError(f"{name_of}.{name} must be a power of two, got {value}")
     for name in ("gate_up_warps", "down_warps"):
         if getattr(cfg, name) not in (1, 2, 4, 8):
-            raise ValueError(f"DecodeConfig.{name} must be one of 1, 2, 4, 8, got {getattr(cfg, name)}")
+            raise ValueError(f"{name_of}.{name} must be one of 1, 2, 4, 8, got {getattr(cfg, name)}")
 
 
 def fused_moe_mxfp4_decode(

@@ -27,7 +27,9 @@ from kernels_rocm.mla_decode import e4m3fn_to_f16_ptx, mla_paged_attention
 from kernels_rocm.mxfp4_linear import mxfp4_linear
 from kernels_rocm.mxfp4_moe import decode_max_tokens, fused_moe_mxfp4
 from kernels_rocm.mxfp4_moe import default_config as moe_default_config
-from kernels_rocm.mxfp4_moe_decode import DecodeConfig
+from kernels_rocm.mxfp4_moe_decode import DecodeConfig, _e2m1_dot
+from kernels_rocm.mxfp4_moe_expert_gemv import default_config as expert_default_config
+from kernels_rocm.mxfp4_moe_expert_gemv import dp4a_pair_ptx, e2m1_codes_ptx
 from kernels_rocm.paged_attention import paged_attention
 from model_ops.attention import torch_ref
 from model_ops.attention.metadata import AttentionMetadata
@@ -331,7 +333,8 @@ def test_fp8_scale_is_read_at_replay():
                                                         meta, 0.072))
 
 
-@pytest.mark.parametrize("num_tokens", [1, 4, 32], ids=["decode_1", "decode_4", "grouped_32"])
+@pytest.mark.parametrize("num_tokens", [1, 4, 32, 128, 300], ids=["decode_1", "decode_4", "decode_32", "expert_gemv_128",
+                                                                 "grouped_300"])
 def test_fused_shared_expert_slot_compiled(num_tokens):
     """Kimi TP8 with its shared expert fused as expert 384 (9 slots, the last at weight 1.0, as the
     routing kernel writes them), W4A4, against the dequantize reference and against the routed and
@@ -349,3 +352,44 @@ def test_fused_shared_expert_slot_compiled(num_tokens):
     apart = (fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True)
              + fused_moe_mxfp4(x, w13, s13, w2, s2, fused_w[:, 8:].contiguous(), fused_ids[:, 8:].contiguous(), True))
     assert_rel_close(out, apart)
+
+
+@triton.jit
+def _codes_probe_kernel(w_ptr, x_lo_ptr, x_hi_ptr, ptx_ptr, portable_ptr, N: tl.constexpr):
+    offs = tl.program_id(0) * N + tl.arange(0, N)
+    w, x_lo, x_hi = tl.load(w_ptr + offs), tl.load(x_lo_ptr + offs), tl.load(x_hi_ptr + offs)
+    lo, hi = e2m1_codes_ptx(w)
+    tl.store(ptx_ptr + offs, dp4a_pair_ptx(lo, hi, x_lo, x_hi))
+    tl.store(portable_ptr + offs, _e2m1_dot(w, x_lo, x_hi))
+
+
+@pytest.mark.skipif(torch.version.hip is not None, reason="the PTX code lookup is the CUDA path")
+def test_ptx_code_lookup_dot_equals_the_portable_integer_dot():
+    """e2m1_codes_ptx + dp4a_pair_ptx (the expert-GEMV path's CUDA dot) against the portable
+    integer dot, compiled: every code in every nibble, and 2^20 random words and activation codes."""
+    g = torch.Generator(device=DEVICE).manual_seed(21)
+    n = 1 << 20
+    words = torch.randint(-2**31, 2**31, (n,), generator=g, device=DEVICE, dtype=torch.int64).to(torch.int32)
+    every = torch.tensor([c * 0x11111111 for c in range(16)], dtype=torch.int64).to(torch.int32)
+    words[:16] = every.to(DEVICE)
+    x = torch.randint(-12, 13, (n, 8), generator=g, device=DEVICE, dtype=torch.int32).to(torch.int8)
+    x_lo, x_hi = x[:, :4].contiguous().view(torch.int32).view(-1), x[:, 4:].contiguous().view(torch.int32).view(-1)
+    ptx, portable = torch.empty_like(words), torch.empty_like(words)
+    _codes_probe_kernel[(n // 1024,)](words, x_lo, x_hi, ptx, portable, N=1024)
+    assert portable.abs().max() > 0
+    assert torch.equal(ptx, portable)
+
+
+@pytest.mark.parametrize("num_tokens", [33, 128, 256])
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_expert_gemv_path_compiled(shape, num_tokens):
+    """The W4A4 expert-grouped GEMV path (its default launch shape at each T) against the fp32
+    reference and the grouped GEMMs forced at the same inputs."""
+    num_experts, top_k, hidden, inter = MOE_SHAPES[shape]
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=10)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, out=torch.full_like(x, float("nan")),
+                          config=expert_default_config(num_tokens * top_k, num_experts, inter))
+    assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, True))
+    grouped = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True,
+                              config=moe_default_config(num_tokens, top_k, num_experts, hidden, inter, x.device))
+    assert_rel_close(out, grouped)
