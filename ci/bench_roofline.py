@@ -269,10 +269,15 @@ GEMM_SHAPES = {  # name -> (N, K) of the Llama-3.1-8B projections (weights [N, K
     "qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
+LLAMA8B_TP2_SHAPES = {  # one rank of the 8B at -tp 2: column-parallel N halved, row-parallel K halved
+    "tp2 qkv": (3072, 4096), "tp2 o_proj": (4096, 2048), "tp2 gate_up": (14336, 4096), "tp2 down": (4096, 7168),
+    "tp2 lm_head": (64128, 4096),
+}
 KIMI_TP8_SHAPES = {  # one TP8 rank of Kimi-K2.5: the MLA projections and the router (bench_kimi's decode step)
     "kimi fused_qkv_a": (2112, 7168), "kimi q_b": (1536, 1536), "kimi o_proj": (7168, 1024),
     "kimi router": (384, 7168), "kimi lm_head": (20480, 7168),
 }
+SHAPE_SETS = {"llama8b": GEMM_SHAPES, "llama8b-tp2": LLAMA8B_TP2_SHAPES, "kimi": KIMI_TP8_SHAPES}
 GEMV_BLOCK_N = (1, 2, 4, 8, 16, 32)
 
 
@@ -289,14 +294,14 @@ def _config_name(config) -> str:
     return f"{config.block_n}x{config.num_warps}w"
 
 
-def bench_gemm(clock: Clock, ms: list[int], copy_gbps: float, smoke: bool, kimi: bool = False) -> list[dict]:
+def bench_gemm(clock: Clock, ms: list[int], copy_gbps: float, smoke: bool, shape_set: str = "llama8b") -> list[dict]:
     import torch.nn.functional as F
 
     from kernels_rocm._util import num_compute_units
     from kernels_rocm.skinny_gemm import GemvConfig, default_config, skinny_gemm
 
     dtype = torch.float32 if smoke else torch.bfloat16
-    shapes = {"smoke": (72, 96)} if smoke else KIMI_TP8_SHAPES if kimi else GEMM_SHAPES
+    shapes = {"smoke": (72, 96)} if smoke else SHAPE_SETS[shape_set]
     g = torch.Generator(device=clock.device).manual_seed(0)
     rows = []
     for name, (n, k) in shapes.items():
@@ -404,8 +409,9 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", default="", help="transformers' batch sizes (default: --batch-sizes)")
     parser.add_argument("--profile-batch-sizes", default="1,16")
     parser.add_argument("--profile-steps", type=int, default=50)
-    parser.add_argument("--gemm-shapes", choices=("llama8b", "kimi"), default="llama8b",
-                        help="the projections swept: Llama-3.1-8B's or a Kimi-K2.5 TP8 rank's (MLA, router, LM head)")
+    parser.add_argument("--gemm-shapes", choices=tuple(SHAPE_SETS), default="llama8b",
+                        help="the projections swept: Llama-3.1-8B's, one of its -tp 2 ranks', or a Kimi-K2.5 TP8 "
+                             "rank's (MLA, router, LM head)")
     parser.add_argument("--gemm-m", default="1,2,4,8", help="rows of x (at most skinny_gemm.MAX_M)")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -458,7 +464,7 @@ def main() -> None:
         timed_part("fusions", lambda: bench_fusions(clock, [2, 5] if args.smoke else [1, 16, 64], args.smoke))
     if "gemm" in parts:
         timed_part("gemm", lambda: bench_gemm(clock, [int(m) for m in args.gemm_m.split(",")], copy_gbps, args.smoke,
-                                              args.gemm_shapes == "kimi"))
+                                              args.gemm_shapes))
     with tempfile.TemporaryDirectory() as folder:
         if {"transformers", "engine", "profile"} & set(parts):
             start = time.perf_counter()

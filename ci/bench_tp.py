@@ -284,7 +284,7 @@ def profiled_decode(engine, batch_prompts: list[list[int]], steps: int, tp: int)
         for _ in range(steps):
             engine.step()
         engine.stop_profile()
-        tables = [trace_kernel_table(os.path.join(folder, f"rank{r}.trace.json"), steps, top=12) for r in range(tp)]
+        tables = [trace_kernel_table(os.path.join(folder, f"rank{r}.trace.json"), steps, top=30) for r in range(tp)]
     while engine.has_unfinished_requests():
         engine.step()
     return tables

@@ -247,8 +247,11 @@ CASES: dict[str, Callable[[str], None]] = {
     "MoE routing DeepSeek-V3 E256 8 groups": lambda _: routing_mod.route_topk(
         _t(64, 256, dtype=torch.float32), _t(256, dtype=torch.float32), 8, sigmoid=True, n_group=8, topk_group=4),
     "all-reduce + add + RMSNorm 2 ranks H4096": lambda _: ar_norm_mod.allreduce_add_rms_norm(
-        _t(4, 4096), _t(4, 4096), _t(4096), 1e-6, (_t(2 * 64 * 4096),) * 2, (_t(2 * 64, dtype=torch.int32),) * 2,
+        _t(4, 4096), _t(4, 4096), _t(4096), 1e-6, (_t(2 * 2 * 64 * 8192, dtype=torch.int16),) * 2,
         _t(64, dtype=torch.int32), _t(1, dtype=torch.int32), rank=1),
+    "all-reduce + add + RMSNorm 8 ranks H7168": lambda _: ar_norm_mod.allreduce_add_rms_norm(
+        _t(4, 7168), _t(4, 7168), _t(7168), 1e-6, (_t(2 * 8 * 64 * 8192, dtype=torch.int16),) * 8,
+        _t(64, dtype=torch.int32), _t(1, dtype=torch.int32), rank=3),
     "step advance k 3": lambda _: advance(_t(3, 64, dtype=torch.int64), _t(64, dtype=torch.int64),
                                           _t(64, 4, dtype=torch.int64), _t(64, 3, dtype=torch.int64),
                                           *(_t(256, dtype=torch.int64) for _ in range(2)), _t(64, dtype=torch.int32),

@@ -99,7 +99,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 ONE_SHOT_MAX_BYTES = 1 << 20  # decode's all-reduces: batch x hidden x 2 B is 512 KB at batch 64, hidden 4096
 FUSED_MAX_ROWS = 128  # the fused all-reduce + RMSNorm's rows a launch (capped by the SM count)
-FUSED_MAX_HIDDEN = 8192  # and its hidden size: staging of 2 x 128 x 8192 fp32 values, 8 MiB a rank
+FUSED_MAX_HIDDEN = 8192  # and its hidden size: staging of 2 x ranks x 128 x 8192 fp32 values, 16 MiB a rank at -tp 2
 
 
 def fused_add_rms_norm_for(x: torch.Tensor) -> OneShotAllReduce | None:
@@ -125,9 +125,9 @@ class OneShotAllReduce:
     -tp 2 results are the same bits either way; larger tensors keep NCCL, which moves fewer bytes.
 
     `add_rms_norm` also fuses the residual add and RMSNorm that follow a decoder layer's
-    all-reduces into the exchange (kernels_rocm.allreduce_rms_norm: one kernel, one barrier,
-    double-buffered staging of its own); `fused_norm=False` (--no-fuse-all-reduce-norm) leaves
-    it out.
+    all-reduces into the exchange (kernels_rocm.allreduce_rms_norm: one kernel, each rank's rows
+    pushed into double-buffered staging of every peer's, 3.4 us a call at 8 KiB on two H200s);
+    `fused_norm=False` (--no-fuse-all-reduce-norm) leaves it out.
 
     CUDA only: on ROCm torch's symmetric memory is not used here and RCCL sums everything
     (aiter's custom all-reduce is not wired; docs/rocm.md)."""
@@ -146,23 +146,22 @@ class OneShotAllReduce:
         # collective: every rank maps every peer's buffer now, at start-up, never inside a capture
         symm_mem.rendezvous(self.buffer, self.group_name)
         # the fused all-reduce + add + RMSNorm (kernels_rocm.allreduce_rms_norm): its own staging
-        # buffer (2 slots of FUSED_MAX_ROWS rows) and flags, zeroed on every rank before any use
+        # buffer (2 slots of every rank's FUSED_MAX_ROWS rows), all ones ("not arrived") on every rank
+        # before any use
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         # a launch's rows must all be resident at once (they spin); 0: the fused path is off
         self.fused_rows = min(FUSED_MAX_ROWS, num_compute_units(device)) if fused_norm else 0
         if not self.fused_rows:  # --no-fuse-all-reduce-norm: no staging (the same on every rank)
             return
-        self.fused_staging = symm_mem.empty(2 * FUSED_MAX_ROWS * FUSED_MAX_HIDDEN * 4, dtype=torch.uint8, device=device)
-        self.fused_flags = symm_mem.empty(self.world * FUSED_MAX_ROWS, dtype=torch.int32, device=device)
-        self.fused_flags.zero_()
+        self.fused_staging = symm_mem.empty(2 * self.world * FUSED_MAX_ROWS * FUSED_MAX_HIDDEN * 4,
+                                            dtype=torch.uint8, device=device)
+        self.fused_staging.fill_(255)
         self._staging = symm_mem.rendezvous(self.fused_staging, self.group_name)
-        flags = symm_mem.rendezvous(self.fused_flags, self.group_name)
-        self._flags = tuple(flags.get_buffer(r, (self.world * FUSED_MAX_ROWS,), torch.int32) for r in range(self.world))
-        self._views: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}  # every rank's staging, as this dtype
+        self._views: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}  # every rank's staging, as integers of a width
         self.counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)
         self.errors = torch.zeros(1, dtype=torch.int32, device=device)  # waits that gave up (a dead peer)
         torch.cuda.synchronize(device)
-        dist.barrier(group)  # every rank's flags are zero before any rank signals
+        dist.barrier(group)  # every rank's staging is all ones before any rank pushes
 
     def accepts(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -182,13 +181,14 @@ class OneShotAllReduce:
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight * rms_normalize(residual <- all_reduce(x) + residual), residual), one kernel."""
-        from kernels_rocm.allreduce_rms_norm import allreduce_add_rms_norm
+        from kernels_rocm.allreduce_rms_norm import BITS, allreduce_add_rms_norm
 
-        if x.dtype not in self._views:
+        bits = BITS[x.dtype]
+        if bits not in self._views:
             n = self.fused_staging.numel() // x.element_size()
-            self._views[x.dtype] = tuple(self._staging.get_buffer(r, (n,), x.dtype) for r in range(self.world))
-        out = allreduce_add_rms_norm(x, residual, weight, eps, self._views[x.dtype], self._flags, self.counters,
-                                     self.errors, self.rank)
+            self._views[bits] = tuple(self._staging.get_buffer(r, (n,), bits) for r in range(self.world))
+        out = allreduce_add_rms_norm(x, residual, weight, eps, self._views[bits], self.counters, self.errors,
+                                     self.rank)
         return out, residual
 
 
