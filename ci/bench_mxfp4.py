@@ -384,8 +384,8 @@ def _meta_args(meta):
 
 
 MLA_SWEEP = [  # (fp8 upcast, (KV tokens per tile, warps, stages)); the first two are the defaults
-    ("ptx", (32, 4, 2)), ("triton", (32, 8, 2)),
-    ("ptx", (32, 4, 3)), ("ptx", (64, 8, 2)), ("ptx", (64, 8, 3)), ("ptx", (32, 8, 2)), ("ptx", (16, 4, 2)),
+    ("ptx", (32, 4, 3)), ("triton", (32, 8, 2)),
+    ("ptx", (32, 4, 2)), ("ptx", (64, 8, 2)), ("ptx", (64, 8, 3)), ("ptx", (32, 8, 2)), ("ptx", (16, 4, 2)),
 ]
 
 

@@ -90,6 +90,7 @@ def _mla_attention_kernel(
     FP8_PTX: tl.constexpr,  # e4m3fn rows on CUDA: upcast with e4m3fn_to_f16_ptx
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH_BLOCK_IDS: tl.constexpr,  # CUDA, see the loop (ROCm: one stage, and gfx950 fp8 spills 3 VGPRs)
 ):
     wait_for_previous_kernel(PDL)
     head_group = tl.program_id(1)
@@ -139,10 +140,21 @@ def _mla_attention_kernel(
     acc = tl.zeros([BLOCK_M, LATENT_PAD], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     offs_n = tl.arange(0, TILE_N)
+    # Block ids one tile ahead: loaded in the same iteration, the next tile's async copies waited
+    # for them and the P.V dot waited behind those copies (a chain of dependent L2 round trips
+    # per tile in sm_90 SASS); carried over, they have a whole tile of compute to arrive.
+    if PREFETCH_BLOCK_IDS:
+        next_pos = first_tile * TILE_N + offs_n
+        next_block_id = tl.load(block_table_row + next_pos // BLOCK_SIZE, mask=next_pos < kv_end, other=0)
     for tile in range(first_tile, last_tile):
         pos = tile * TILE_N + offs_n
         pos_valid = pos < kv_end
-        block_id = tl.load(block_table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        if PREFETCH_BLOCK_IDS:
+            block_id = next_block_id.to(tl.int64)
+            next_pos = pos + TILE_N
+            next_block_id = tl.load(block_table_row + next_pos // BLOCK_SIZE, mask=next_pos < kv_end, other=0)
+        else:
+            block_id = tl.load(block_table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
         kv_row = kv_cache_ptr + block_id * stride_kv_blk + (pos % BLOCK_SIZE).to(tl.int64) * stride_kv_tok
         c_kv = tl.load(
             kv_row[:, None] + offs_l[None, :], mask=pos_valid[:, None] & l_valid[None, :], other=0.0
@@ -182,14 +194,16 @@ def upcasts_with_ptx(kv_dtype: torch.dtype) -> bool:
 def launch_options(kv_dtype: torch.dtype) -> tuple[int, int, int]:
     """(KV tokens per tile, warps, pipeline stages) for a cache of `kv_dtype`. ROCm: a 32 x 576
     bf16 tile per stage overflows MI300's 64 KB LDS. CUDA: the PTX fp8 path stages the tile as
-    bf16 is staged and fits 4 warps (246 registers on sm_90: two programs an SM); Triton's fp8
-    upcast in the dot-operand layout spills with 4 warps (255 + spill), so it takes 8."""
+    bf16 is staged and fits 4 warps (252 / 254 registers fp8 / bf16 on sm_90: two programs an SM,
+    limited by the registers, not by the 92 / 93 KB of shared memory of 3 stages); Triton's fp8 upcast in
+    the dot-operand layout spills with 4 warps (255 + spill), so it takes 8. Three stages over
+    two: H100, batch 64 / 32k, fp8 845 -> 830 us, bf16 886 -> 839 us (docs/benchmarks.md section 6)."""
     fp8 = kv_dtype in FP8_DTYPES
     if IS_HIP:
         return (16, 8, 1) if fp8 else (16, 4, 1)
     if fp8 and not upcasts_with_ptx(kv_dtype):
         return 32, 8, 2
-    return 32, 4, 2
+    return 32, 4, 3
 
 
 def _check_inputs(
@@ -278,6 +292,7 @@ def mla_paged_attention(
         NUM_SEGMENTS=num_kv_splits,
         FP8=fp8, FP8_PTX=upcasts_with_ptx(kv_cache.dtype),
         UPCAST=UPCAST_DOT,
+        PREFETCH_BLOCK_IDS=not IS_HIP,
         DOT_PRECISION=dot_precision(torch.float16 if fp8 and not UPCAST_DOT else q_latent.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -45,10 +45,11 @@ def test_kernels_compile_for_gpu_targets():
 def test_fp8_mla_decode_loop_on_sm90():
     """The fp8 latent tile is upcast once and read by both dots with ldmatrix (.trans for the
     values) from an fp16 copy, never byte by byte: with Triton's own upcast the sm_90 loop had
-    64 LDS.U8 and 786 instructions a warp per 32 tokens (8 warps; docs/benchmarks.md section 6)."""
+    64 LDS.U8 and 786 instructions a warp per 32 tokens (8 warps; docs/benchmarks.md section 6).
+    716 with the block ids carried one tile ahead and 3 stages (648 before them)."""
     line, total, opcodes = _loop_sass("MLA 8h fp8 decode split 16", "_mla_attention_kernel")
     assert "LDS.U8" not in opcodes and opcodes.get("LDSM.16.MT88.4", 0) > 0, line
-    assert total < 700, line
+    assert total < 760, line
 
 
 def test_mxfp4_moe_decode_loop_on_sm90():
