@@ -71,7 +71,7 @@ class IntMmaConfig:
 
     block_m: int = 16
     gate_up_rows: int = 64
-    down_rows: int = 64
+    down_rows: int = 128
     k_blocks: int = 4
     stages: int = 3
 
