@@ -48,8 +48,8 @@ TOKENS = (1, 4, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PATHS = ("int_mma", "expert_gemv", "decode", "grouped")  # the MXFP4 paths, by config type
 CHECKED = ("int_mma", "expert_gemv")  # the paths checked against the reference at every T
 SWEEP_TOKENS = (32, 128, 512)
-SWEEP = [dict(block_m=32), dict(gate_up_rows=128), dict(down_rows=64), dict(k_blocks=2),
-         dict(stages=2), dict(stages=4)]
+SWEEP = [dict(warps=1, gate_up_rows=32, down_rows=32), dict(warps=1), dict(gate_up_rows=128, down_rows=128),
+         dict(k_blocks=2), dict(stages=2), dict(stages=4), dict(block_m=32)]
 SWEEP_EXPERT = ([dict(block_m=b) for b in (2, 4, 8)] + [dict(gate_up_rows=r, down_rows=r) for r in (2, 8)]
                 + [dict(gate_up_rows=8), dict(down_rows=8), dict(gate_up_k_lanes=16, down_k_lanes=16),
                    dict(gate_up_warps=8), dict(down_warps=8)])

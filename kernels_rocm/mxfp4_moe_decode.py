@@ -121,7 +121,8 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, stride_x: tl.int64, stri
     """codes[row], scales[row] = the MXFP4 quantization of x[row] per 32 consecutive values
     (quantize_mxfp4_blocks; a width that is a multiple of 32: the masked tail holds whole
     blocks), the codes of each block in paired word order (`quantize_rows`); with MMA_LAYOUT
-    each block's 32 codes are followed by their negations and the scales are written as fp32."""
+    each block's 32 codes, in element order, are followed by their negations and the scales are
+    written as fp32."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
@@ -132,9 +133,9 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, stride_x: tl.int64, stri
     paired = cols - cols % 32 + (word // 2 + 4 * (word % 2)) * 4 + cols % 4
     blocks = (tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32))[None, :]
     if MMA_LAYOUT:
-        paired += paired - paired % 32
-        tl.store(codes_ptr + row * stride_codes + paired, codes, mask=mask)
-        tl.store(codes_ptr + row * stride_codes + paired + 32, -codes, mask=mask)
+        natural = cols + cols - cols % 32
+        tl.store(codes_ptr + row * stride_codes + natural, codes, mask=mask)
+        tl.store(codes_ptr + row * stride_codes + natural + 32, -codes, mask=mask)
         tl.store(scales_ptr + row * stride_scales + blocks, e8m0_to_fp32(scales), mask=blocks * 32 < width)
     else:
         tl.store(codes_ptr + row * stride_codes + paired, codes, mask=mask)
@@ -321,8 +322,8 @@ def quantize_rows(x: torch.Tensor, mma_layout: bool = False) -> tuple[torch.Tens
     one launch: (codes int8 [M, W], twice each E2M1 value; scales uint8 [M, W / 32]). The codes of
     a 32-block are stored in paired word order, words (4 codes each) 0, 2, 4, 6, 1, 3, 5, 7, so
     that the decode kernels read a weight word's 8 activations as word i of each half.
-    mma_layout (the tensor-core path, `mxfp4_moe_int_mma`): codes [M, 2W], each block's 32 codes
-    then their negations, and scales fp32 [M, W / 32] (2^(byte - 127), NaN for byte 255)."""
+    mma_layout (the tensor-core path, `mxfp4_moe_int_mma`): codes [M, 2W], each block's 32 codes in
+    element order then their negations, and scales fp32 [M, W / 32] (2^(byte - 127), NaN for 255)."""
     rows, width = x.shape
     codes = torch.empty(rows, 2 * width if mma_layout else width, dtype=torch.int8, device=x.device)
     scales = torch.empty(rows, width // MX_BLOCK, dtype=torch.float32 if mma_layout else torch.uint8, device=x.device)

@@ -17,13 +17,15 @@ weight is shared by every pair of its expert in the program, and its products co
 the CUDA cores:
 
 - pairs are grouped by expert (`moe_align_block_size`, blocks of BLOCK_M pairs); a program takes
-  one block and ROWS weight rows, swapped so that the weight rows are the MMA's M axis (a warpgroup's
-  64 rows, wgmma with the decoded weights in registers) and the block's pairs its N axis;
+  one block and ROWS weight rows, swapped so that the weight rows are the MMA's M axis (mma.sync
+  m16n8k32 with the decoded weights as the A operand, straight from the lookup's registers) and the
+  block's pairs its N axis;
 - weights: each 16-byte row block becomes int8 codes in registers, by prmt table lookups
   (`_mxfp4.e2m1_split_codes_ptx`): one lookup gives the positive codes' magnitudes, one on the
   codes with their sign bits flipped the negative ones, so the sign is not applied per weight:
   the MMA's K axis holds both, [magnitudes of positive codes | of negative codes] (K = 64), against
-  activations [codes | negated codes] that `quantize_rows(mma_layout=True)` writes once a row;
+  activations [codes | negated codes] that `quantize_rows(mma_layout=True)` writes once a row
+  (element order: see `_weight_codes`);
 - scaling: each block's int32 dot d is read through the accumulator initialised to 3.0's bits
   (0x40400000, which Triton folds into the MMA's C operand): as fp32 that is 3 + d * 2^-22 exactly,
   so one fma with the activation scale s and -3s gives d * 2^-22 * s and a second adds it times
@@ -36,8 +38,8 @@ the CUDA cores:
   pair's routing weight x h @ W2[e]^T in x's dtype and `_slot_sum_kernel` (expert-GEMV path) adds a
   token's slots in fp32 in slot order.
 
-NVIDIA only (wgmma with register operands; the interpreter runs the same tiles with a portable
-code lookup, for the CPU tests). Decisions from shapes only: graph-capturable.
+NVIDIA only (PTX lookup, mma.sync register layouts; the interpreter runs the same tiles with a
+portable code lookup, for the CPU tests). Decisions from shapes only: graph-capturable.
 """
 from __future__ import annotations
 
@@ -55,7 +57,6 @@ from kernels_rocm.fused_moe import moe_align_block_size
 from kernels_rocm.mxfp4_moe_decode import quantize_rows
 from kernels_rocm.mxfp4_moe_expert_gemv import _pair_rows, _slot_sum_kernel
 
-MMA_WARPS = 4  # one warpgroup: wgmma's 64-row M tiles
 # fp32 3.0: the int32 block dot d added to its bits is 3 + d * 2^-22 (ulp 2^-22 on [2, 4), |d| < 2^21)
 MAGIC_BITS = tl.constexpr(0x40400000)
 MAGIC = tl.constexpr(3.0)
@@ -65,20 +66,23 @@ UNSCALE = tl.constexpr(2.0**20)  # the accumulators hold (4 x value) * 2^-22: th
 @dataclass(frozen=True)
 class IntMmaConfig:
     """Launch shape: `block_m` pairs of one expert a program (the routing alignment's block and the
-    MMA's N: 16 or more), `*_rows` weight rows a program (a multiple of 64; gate_up_rows counts
-    intermediate rows, each a gate and an up row), `k_blocks` 32-element K blocks a loop step (1, 2
-    or 4; fewer where K / 32 is not a multiple), `stages` software-pipelining depth of the loads."""
+    MMA's N: 16 or more), `*_rows` weight rows a program (16 or more per warp; gate_up_rows counts
+    intermediate rows, each a gate and an up row), `warps` warps a program (1 or 2: Triton 3.6 takes
+    4 warps over 64 rows to wgmma, whose warpgroup-wide issue and wait measured slower), `k_blocks`
+    32-element K blocks a loop step (1, 2 or 4; fewer where K / 32 is not a multiple), `stages`
+    software-pipelining depth of the loads."""
 
     block_m: int = 16
     gate_up_rows: int = 64
-    down_rows: int = 128
+    down_rows: int = 64
+    warps: int = 2
     k_blocks: int = 4
     stages: int = 3
 
 
 def default_config(num_pairs: int, num_experts: int) -> IntMmaConfig:
-    """Blocks of 16 pairs (wgmma's N = 8 was compiled by Triton 3.6 to mma.sync with shuffles; every
-    pair of a block adds 3 CUDA-core instructions per 32 weights a lane)."""
+    """Blocks of 16 pairs (the MMA's N = 8 went through shared memory in Triton 3.6; every pair of a
+    block adds 3 CUDA-core instructions per 32 weights a lane)."""
     del num_pairs, num_experts
     return IntMmaConfig()
 
@@ -101,16 +105,17 @@ def _split_blocks(v, KB: tl.constexpr):
 @triton.jit
 def _weight_codes(w_ptrs, ROWS: tl.constexpr, PTX: tl.constexpr):
     """w_ptrs [ROWS, 16]: one 32-element block's packed bytes a row -> int8 [ROWS, 64], the A
-    operand: twice the magnitudes of the block's positive codes (0 elsewhere) in quantize_rows'
-    paired word order (position h * 16 + word * 4 + i holds element word * 8 + h * 4 + i), then
-    those of its negative codes."""
+    operand: twice the magnitudes of the block's positive codes (0 elsewhere), then those of its
+    negative codes, each in element order. Element order is what keeps the lookup in registers:
+    mma.sync's int8 operand gives each lane 8 consecutive K elements (Triton's kWidth 8), here the
+    8 codes of one packed word."""
     packed = tl.load(w_ptrs)
     if PTX:
         pos_lo, pos_hi, neg_lo, neg_hi = e2m1_split_codes_ptx(packed)
     else:
         pos_lo, pos_hi, neg_lo, neg_hi = e2m1_split_codes(packed, ROWS, 16)
     codes = tl.join(tl.join(pos_lo, pos_hi), tl.join(neg_lo, neg_hi))  # [ROWS, word * 4 + i, h, sign]
-    return tl.reshape(tl.permute(tl.reshape(codes, [ROWS, 4, 4, 2, 2]), [0, 4, 3, 1, 2]), [ROWS, 64])
+    return tl.reshape(tl.permute(tl.reshape(codes, [ROWS, 4, 4, 2, 2]), [0, 4, 1, 3, 2]), [ROWS, 64])
 
 
 @triton.jit
@@ -226,10 +231,12 @@ def _k_blocks(k: int, most: int) -> int:
 def _check(cfg: IntMmaConfig) -> None:
     if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
         raise ValueError(f"IntMmaConfig.block_m must be a power of two >= 16, got {cfg.block_m}")
+    if cfg.warps not in (1, 2):
+        raise ValueError(f"IntMmaConfig.warps must be 1 or 2, got {cfg.warps}")
     for name in ("gate_up_rows", "down_rows"):
         rows = getattr(cfg, name)
-        if rows < 64 or rows & (rows - 1):
-            raise ValueError(f"IntMmaConfig.{name} must be a power of two >= 64 (wgmma's M), got {rows}")
+        if rows < 16 * cfg.warps or rows & (rows - 1):
+            raise ValueError(f"IntMmaConfig.{name} must be a power of two >= 16 a warp, got {rows}")
     if cfg.k_blocks not in (1, 2, 4):
         raise ValueError(f"IntMmaConfig.k_blocks must be 1, 2 or 4, got {cfg.k_blocks}")
     if cfg.stages < 1:
@@ -249,7 +256,7 @@ def fused_moe_mxfp4_int_mma(
     cfg = config or default_config(num_pairs, num_experts)
     _check(cfg)
     ptx = not INTERPRET
-    launch = dict(num_warps=MMA_WARPS, num_stages=cfg.stages, **pdl.launch_args(x.device))
+    launch = dict(num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_args(x.device))
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, cfg.block_m)
     blocks = expert_ids.shape[0]
     x_codes, x_scales = quantize_rows(x, mma_layout=True)

@@ -18,7 +18,7 @@ from _kernel_cases import nan_like
 from test_kernels_mxfp4 import (
     EXPERTS, HIDDEN, INTER, _close, _moe_case, _moe_reference, _random_mxfp4, _with_extreme_scales,
 )
-from test_kernels_mxfp4_int_dot import TWICE, _prmt
+from test_kernels_mxfp4_int_dot import TWICE, _prmt, _unpair
 from kernels_rocm import mxfp4_moe_int_mma as mod
 from kernels_rocm.mxfp4_moe import fused_moe_mxfp4
 from kernels_rocm.mxfp4_moe_decode import quantize_rows
@@ -70,14 +70,15 @@ def test_the_portable_split_lookup_matches_the_asm():
 
 
 def test_quantize_rows_mma_layout():
-    """Each block's codes (paired word order) then their negations; fp32 scales 2^(byte - 127), NaN for 255."""
+    """Each block's codes (element order) then their negations; fp32 scales 2^(byte - 127), NaN for 255."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 96, generator=g)
     x[1, 40] = float("nan")
     codes, scales = quantize_rows(x)
+    codes = _unpair(codes).view(3, 3, 32)
     mma_codes, mma_scales = quantize_rows(x, mma_layout=True)
     blocks = mma_codes.view(3, 3, 2, 32)
-    assert torch.equal(blocks[:, :, 0], codes.view(3, 3, 32)) and torch.equal(blocks[:, :, 1], -codes.view(3, 3, 32))
+    assert torch.equal(blocks[:, :, 0], codes) and torch.equal(blocks[:, :, 1], -codes)
     bits = torch.where(scales == 0, 0x400000, scales.to(torch.int32) << 23)
     want = torch.where(scales == 255, float("nan"), bits.view(torch.float32))
     torch.testing.assert_close(mma_scales, want, equal_nan=True, rtol=0, atol=0)
