@@ -49,7 +49,7 @@ PATHS = ("int_mma", "expert_gemv", "decode", "grouped")  # the MXFP4 paths, by c
 CHECKED = ("int_mma", "expert_gemv")  # the paths checked against the reference at every T
 SWEEP_TOKENS = (32, 128, 512)
 SWEEP = [dict(warps=1, gate_up_rows=32, down_rows=32), dict(warps=1), dict(gate_up_rows=128, down_rows=128),
-         dict(k_blocks=2), dict(stages=2), dict(stages=4), dict(block_m=32)]
+         dict(k_blocks=2), dict(stages=2), dict(stages=4), dict(block_m=8), dict(block_m=16), dict(block_m=32)]
 SWEEP_EXPERT = ([dict(block_m=b) for b in (2, 4, 8)] + [dict(gate_up_rows=r, down_rows=r) for r in (2, 8)]
                 + [dict(gate_up_rows=8), dict(down_rows=8), dict(gate_up_k_lanes=16, down_k_lanes=16),
                    dict(gate_up_warps=8), dict(down_warps=8)])
@@ -92,17 +92,18 @@ def bench(copy_gbps: float, sweep: bool, sweep_expert: bool, token_counts,
                 row[f"{label}_fraction"] = num_bytes / us / 1e3 / copy_gbps
             ref = moe_reference(x, weights.w13, weights.s13, weights.w2, weights.s2, topk_weights, ids, True)
             for label in CHECKED:
-                row[f"{label}_rel_err"] = err = rel_error(weights.run(x, topk_weights, ids, True, config=configs[label]), ref)
+                got = weights.run(x, topk_weights, ids, True, config=configs[label])
+                row[f"{label}_rel_err"] = err = rel_error(got, ref)
                 if not err <= REL_TOL:
                     failures.append(f"{name} T={tokens} {label} rel err {err:.2e} > {REL_TOL}")
             w13_bf16, w2_bf16 = weights.bf16
             row["bf16_us"] = time_graph(lambda: fused_moe(x, w13_bf16, w2_bf16, topk_weights, ids, out=out)) * 1e3
             row["best"] = min((p for p in PATHS if f"{p}_us" in row), key=lambda p: row[f"{p}_us"])
             rows.append(row)
-            print(f"  {name} T={tokens}: int MMA {row['int_mma_us']:.1f} us ({row['int_mma_fraction'] * 100:.0f}% copy), "
-                  f"expert GEMV {row['expert_gemv_us']:.1f}, grouped {row['grouped_us']:.1f}, "
-                  f"decode {row.get('decode_us', float('nan')):.1f}, auto {row['auto_us']:.1f}, bf16 {row['bf16_us']:.1f}; "
-                  f"err {row['int_mma_rel_err']:.1e}", flush=True)
+            print(f"  {name} T={tokens}: int MMA {row['int_mma_us']:.1f} us "
+                  f"({row['int_mma_fraction'] * 100:.0f}% copy), expert GEMV {row['expert_gemv_us']:.1f}, "
+                  f"grouped {row['grouped_us']:.1f}, decode {row.get('decode_us', float('nan')):.1f}, "
+                  f"auto {row['auto_us']:.1f}, bf16 {row['bf16_us']:.1f}; err {row['int_mma_rel_err']:.1e}", flush=True)
             if sweep and tokens in SWEEP_TOKENS:
                 sweep_rows += _time_variants(weights, x, topk_weights, ids, out, configs["int_mma"], SWEEP,
                                              row["int_mma_us"], name, tokens)
@@ -124,7 +125,8 @@ def summarize(rows: list[dict]) -> list[str]:
         met_copy = [r["tokens"] for r in copy_goal if r["auto_fraction"] >= GOAL_MOE_FRACTION]
         met_speed = [r["tokens"] for r in speed_goal if r["bf16_us"] / r["auto_us"] >= GOAL_MOE_SPEEDUP]
         lines.append(f"{shape}: >= {GOAL_MOE_FRACTION:.0%} of copy at T = {met_copy or 'none'} of "
-                     f"{[r['tokens'] for r in copy_goal]}; >= {GOAL_MOE_SPEEDUP:.0f}x bf16 at T = {met_speed or 'none'} of "
+                     f"{[r['tokens'] for r in copy_goal]}; >= {GOAL_MOE_SPEEDUP:.0f}x bf16 at "
+                     f"T = {met_speed or 'none'} of "
                      f"{[r['tokens'] for r in speed_goal]}; fastest path by T: "
                      + ", ".join(f"{r['tokens']}: {r['best']}" for r in mine))
     return lines
@@ -134,8 +136,9 @@ def to_markdown(results: dict) -> str:
     lines = [f"# MXFP4 MoE, W4A4, every path: {results['device']}", "",
              f"torch {results['torch']}, triton {results['triton']}, {results['date']}. Copy bandwidth: "
              f"**{results['copy']['gbps']:.0f} GB/s**. CUDA-graph replays, L2 flushed, medians. µs (% of copy).", "",
-             "| shape | T | experts hit | MB | int MMA | expert GEMV | decode | grouped GEMMs | bf16 fused MoE | dispatch | "
-             "dispatch vs bf16 | rel err int MMA / expert GEMV |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| shape | T | experts hit | MB | int MMA | expert GEMV | decode | grouped GEMMs | bf16 fused MoE | "
+             "dispatch | dispatch vs bf16 | rel err int MMA / expert GEMV |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     cell = lambda r, k: f"{r[k + '_us']:.1f} ({r[k + '_fraction'] * 100:.0f}%)" if k + "_us" in r else "-"  # noqa: E731
     for r in results["rows"]:
         lines.append(f"| {r['shape']} | {r['tokens']} | {r['experts_hit']} | {r['mb']:.0f} | {cell(r, 'int_mma')} | "

@@ -211,9 +211,11 @@ CASES: dict[str, Callable[[str], None]] = {
        for t in (32, 128, 256, 512)},
     "MXFP4 MoE expert GEMV Kimi E384 I2048 T128 w4a4": lambda target: target == "sm90" and _mxfp4_moe(
         384, 8, 7168, 2048, 128, True, expert_gemv=True),
-    # the tensor-core path: NVIDIA only (wgmma with register operands)
+    # the tensor-core path: NVIDIA only (PTX lookup, mma.sync register layouts)
     "MXFP4 MoE int MMA Kimi TP8 T128 w4a4": lambda target: target == "sm90" and _mxfp4_moe(
         384, 8, 7168, 256, 128, True, int_mma=True),
+    "MXFP4 MoE int MMA Kimi TP8 T512 w4a4": lambda target: target == "sm90" and _mxfp4_moe(
+        384, 8, 7168, 256, 512, True, int_mma=True),
     "MXFP4 MoE int MMA Kimi E384 I2048 T128 w4a4": lambda target: target == "sm90" and _mxfp4_moe(
         384, 8, 7168, 2048, 128, True, int_mma=True),
     "MXFP4 linear M4 N512 K7168 w4a4 split 8": lambda _: _mxfp4_linear(4, 512, 7168, True, split=8),

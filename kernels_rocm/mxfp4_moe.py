@@ -292,7 +292,9 @@ def fused_moe_mxfp4(
     the decode path runs (`mxfp4_moe_decode`), with MXFP4 activations up to EXPERT_GEMV_MAX_TOKENS
     the expert-grouped GEMVs (`mxfp4_moe_expert_gemv`), else the grouped GEMMs; `config` overrides
     the choice (benchmarks): a MoeConfig forces the grouped GEMMs with those tiles, a DecodeConfig
-    the decode path, an ExpertGemvConfig the expert-grouped GEMVs (W4A4 only)."""
+    the decode path, an ExpertGemvConfig the expert-grouped GEMVs, an IntMmaConfig the int8
+    tensor-core path (`mxfp4_moe_int_mma`, W4A4 and NVIDIA only; never chosen by the dispatch: its
+    first form measured slower than the others at every T)."""
     _check_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -313,7 +315,7 @@ def fused_moe_mxfp4(
         if not quantize_activations:
             raise ValueError("config: the expert-grouped GEMV path multiplies MXFP4 codes (quantize_activations=True)")
         return fused_moe_mxfp4_expert_gemv(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out, config)
-    if isinstance(config, IntMmaConfig) or path == "int_mma":
+    if isinstance(config, IntMmaConfig):
         if not quantize_activations:
             raise ValueError("config: the tensor-core path multiplies MXFP4 codes (quantize_activations=True)")
         return fused_moe_mxfp4_int_mma(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out, config)

@@ -1,5 +1,5 @@
 """Tensor-core path of the MXFP4 fused MoE with MXFP4 activations (W4A4, NVIDIA): exact integer
-block dots on the int8 tensor cores (`mxfp4_moe.fused_moe_mxfp4` dispatches here by token count).
+block dots on the int8 tensor cores (`mxfp4_moe.fused_moe_mxfp4` with an `IntMmaConfig`).
 
 Same contract as the other paths:
 
@@ -16,7 +16,7 @@ block's exact dot of codes (twice the E2M1 values, |sum| <= 32 * 12 * 12), so th
 weight is shared by every pair of its expert in the program, and its products cost nothing on
 the CUDA cores:
 
-- pairs are grouped by expert (`moe_align_block_size`, blocks of BLOCK_M pairs); a program takes
+- pairs are grouped by expert (`moe_align_block_size`, blocks of BLOCK_M = 8 or 16 pairs); a program takes
   one block and ROWS weight rows, swapped so that the weight rows are the MMA's M axis (mma.sync
   m16n8k32 with the decoded weights as the A operand, straight from the lookup's registers) and the
   block's pairs its N axis;
@@ -32,14 +32,22 @@ the CUDA cores:
   the weight scale to the fp32 accumulator; no int-to-float conversion (slow on Hopper). Every
   step is exact for all E8M0 bytes but an activation scale of 2^127 (a block whose |x| reaches
   1.75 * 2^127, above bf16 / fp32 activations' practical range): each block's value is the
-  dequantizing reference's fp32 block sum, bit for bit, times 2^-24; the accumulator is scaled
-  back once (x 2^20, the codes being twice the values) before the epilogue;
+  dequantizing reference's fp32 block sum, bit for bit, times 2^-20 (2^-22, and the codes are twice
+  the values); the accumulator is scaled back once (x 2^20) before the epilogue;
 - kernel 1 writes silu(gate) * up per pair, `quantize_rows` quantizes h, kernel 2 writes each
   pair's routing weight x h @ W2[e]^T in x's dtype and `_slot_sum_kernel` (expert-GEMV path) adds a
   token's slots in fp32 in slot order.
 
 NVIDIA only (PTX lookup, mma.sync register layouts; the interpreter runs the same tiles with a
 portable code lookup, for the CPU tests). Decisions from shapes only: graph-capturable.
+
+Status (docs/benchmarks.md section 6): the first form of this path (4 warps, so wgmma, codes in
+quantize_rows' paired order) measured 33-39% of copy on a Kimi TP8 rank and 41-47% at full width on
+an H100, slower than the best other path at every T from 1 to 512, so the dispatch never takes it.
+This form (mma.sync, element order, 8-pair blocks where experts get few pairs: 3.1 instructions a
+weight in the sm_90 gate/up loop at 8 pairs and 4.0 at 16, against 4.8 at 16 with wgmma, and no
+warpgroup-wide waits) is compiled and CPU-tested but not yet GPU-run:
+`python ci/bench_mxfp4_expert_gemv.py --sweep` times it against every other path.
 """
 from __future__ import annotations
 
@@ -66,7 +74,7 @@ UNSCALE = tl.constexpr(2.0**20)  # the accumulators hold (4 x value) * 2^-22: th
 @dataclass(frozen=True)
 class IntMmaConfig:
     """Launch shape: `block_m` pairs of one expert a program (the routing alignment's block and the
-    MMA's N: 16 or more), `*_rows` weight rows a program (16 or more per warp; gate_up_rows counts
+    MMA's N: 8 or more), `*_rows` weight rows a program (16 or more per warp; gate_up_rows counts
     intermediate rows, each a gate and an up row), `warps` warps a program (1 or 2: Triton 3.6 takes
     4 warps over 64 rows to wgmma, whose warpgroup-wide issue and wait measured slower), `k_blocks`
     32-element K blocks a loop step (1, 2 or 4; fewer where K / 32 is not a multiple), `stages`
@@ -81,10 +89,12 @@ class IntMmaConfig:
 
 
 def default_config(num_pairs: int, num_experts: int) -> IntMmaConfig:
-    """Blocks of 16 pairs (the MMA's N = 8 went through shared memory in Triton 3.6; every pair of a
-    block adds 3 CUDA-core instructions per 32 weights a lane)."""
-    del num_pairs, num_experts
-    return IntMmaConfig()
+    """Blocks of 8 pairs while experts get about 6 pairs or fewer on average, else 16. Reasoned from
+    the sm_90 loop (not yet measured): each pair of a block adds 3 instructions per 32 weights a lane
+    (the block scaling of its result), so the gate/up loop costs 3.0 instructions a weight at 8
+    pairs and 4.0 at 16, and an expert's weights are decoded once per block of its pairs; with
+    Poisson-like loads of 6 pairs an expert the two sizes cost about the same."""
+    return IntMmaConfig(block_m=8 if num_pairs <= 6 * num_experts else 16)
 
 
 @triton.jit
@@ -229,8 +239,8 @@ def _k_blocks(k: int, most: int) -> int:
 
 
 def _check(cfg: IntMmaConfig) -> None:
-    if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
-        raise ValueError(f"IntMmaConfig.block_m must be a power of two >= 16, got {cfg.block_m}")
+    if cfg.block_m < 8 or cfg.block_m & (cfg.block_m - 1):
+        raise ValueError(f"IntMmaConfig.block_m must be a power of two >= 8, got {cfg.block_m}")
     if cfg.warps not in (1, 2):
         raise ValueError(f"IntMmaConfig.warps must be 1 or 2, got {cfg.warps}")
     for name in ("gate_up_rows", "down_rows"):

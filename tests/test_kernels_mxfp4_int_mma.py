@@ -91,7 +91,8 @@ def _block_probe_kernel(w_ptr, s_ptr, a_ptr, as_ptr, out_ptr):
     w = mod._weight_codes(w_ptr + rows[:, None] * 16 + tl.arange(0, 16)[None, :], 64, False)
     a = tl.trans(tl.load(a_ptr + tl.arange(0, 16)[:, None] * 64 + tl.arange(0, 64)[None, :]))
     scale = tl.load(as_ptr + tl.arange(0, 16))
-    acc = mod._block_dot(w, a, scale, scale * -mod.MAGIC, mod._weight_scale(s_ptr + rows), tl.zeros([64, 16], tl.float32))
+    zeros = tl.zeros([64, 16], tl.float32)
+    acc = mod._block_dot(w, a, scale, scale * -mod.MAGIC, mod._weight_scale(s_ptr + rows), zeros)
     tl.store(out_ptr + rows[:, None] * 16 + tl.arange(0, 16)[None, :], acc * mod.UNSCALE)
 
 
@@ -117,9 +118,10 @@ def test_one_block_is_the_dequantized_block_sum_bit_for_bit(scales):
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
 
 
-@pytest.mark.parametrize("config", [IntMmaConfig(), IntMmaConfig(block_m=32, k_blocks=2),
-                                    IntMmaConfig(gate_up_rows=128, down_rows=64, k_blocks=1)],
-                         ids=["default", "m32_k2", "rows128_k1"])
+@pytest.mark.parametrize("config", [IntMmaConfig(), IntMmaConfig(block_m=8, warps=1, gate_up_rows=32),
+                                    IntMmaConfig(block_m=32, k_blocks=2),
+                                    IntMmaConfig(gate_up_rows=128, down_rows=32, k_blocks=1)],
+                         ids=["default", "m8_one_warp", "m32_k2", "rows128_k1"])
 @pytest.mark.parametrize("num_tokens", [5, 13], ids=lambda t: f"T{t}")
 def test_matches_the_reference(num_tokens, config):
     """Experts 1 and 5 get no pairs, expert 2 every token, the others one or a few pairs; I = 3
@@ -186,11 +188,17 @@ def test_bfloat16():
     torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
 
 
+def test_default_config_follows_the_pairs_an_expert_gets():
+    assert mod.default_config(128 * 8, 384) == IntMmaConfig(block_m=8)  # 2.7 pairs an expert
+    assert mod.default_config(512 * 8, 384) == IntMmaConfig(block_m=16)  # 10.7
+
+
 def test_refuses_bad_configs_and_bf16_activations():
     g = torch.Generator().manual_seed(33)
     x, w13, s13, w2, s2, weights, ids = _moe_case(2, 2, g)
-    for bad, field in ((IntMmaConfig(block_m=8), "block_m"), (IntMmaConfig(down_rows=96), "down_rows"),
-                       (IntMmaConfig(k_blocks=3), "k_blocks"), (IntMmaConfig(stages=0), "stages")):
+    for bad, field in ((IntMmaConfig(block_m=4), "block_m"), (IntMmaConfig(down_rows=96), "down_rows"),
+                       (IntMmaConfig(warps=4), "warps"), (IntMmaConfig(k_blocks=3), "k_blocks"),
+                       (IntMmaConfig(stages=0), "stages")):
         with pytest.raises(ValueError, match=field):
             fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=bad)
     with pytest.raises(ValueError, match="quantize_activations"):

@@ -10,7 +10,8 @@ Sizes: Kimi-K2.5 TP8 rank (E384, top-8, H7168, I256) and the full expert width (
 experts to bound memory), the TP8 shared-expert and dense shapes, Kimi MLA 8 heads 512+64 with
 fp8 latent rows in a pool past 4 GiB (block ids >= 65,536) and the CUDA fp8 upcast for every
 byte, the EAGLE3 MHA draft; graph capture and replay with new routing / new scale values; the
-MoE's decode path (T <= decode_max_tokens(I, W4A4)) against the grouped path forced at the same inputs.
+MoE's decode path (T <= decode_max_tokens(I, W4A4)) against the grouped path forced at the same inputs;
+the W4A4 tensor-core path (mxfp4_moe_int_mma) and its PTX code lookup.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from kernels_rocm.mxfp4_moe_expert_gemv import default_config as expert_default_
 from kernels_rocm.mxfp4_moe_expert_gemv import dp4a_pair_ptx, e2m1_codes_ptx
 from kernels_rocm._mxfp4 import e2m1_split_codes, e2m1_split_codes_ptx
 from kernels_rocm.mxfp4_moe_int_mma import IntMmaConfig
+from kernels_rocm.mxfp4_moe_int_mma import default_config as int_mma_default_config
 from kernels_rocm.paged_attention import paged_attention
 from model_ops.attention import torch_ref
 from model_ops.attention.metadata import AttentionMetadata
@@ -425,20 +427,21 @@ def test_ptx_split_code_lookup_equals_the_portable_one():
 @pytest.mark.parametrize("num_tokens", [17, 64, 512])
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
 def test_int_mma_path_compiled(shape, num_tokens):
-    """The W4A4 tensor-core path against the fp32 reference and the expert-grouped GEMVs forced at
-    the same inputs (both exact block sums: they differ by fp32 summation order only)."""
+    """The W4A4 tensor-core path (its default launch shape at each T: 8- or 16-pair blocks) against
+    the fp32 reference and the expert-grouped GEMVs forced at the same inputs (both exact block
+    sums: they differ by fp32 summation order only)."""
     num_experts, top_k, hidden, inter = MOE_SHAPES[shape]
     x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=11)
     out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, out=torch.full_like(x, float("nan")),
-                          config=IntMmaConfig())
+                          config=int_mma_default_config(num_tokens * top_k, num_experts))
     assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, True))
     gemv = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True,
                            config=expert_default_config(num_tokens * top_k, num_experts, inter))
     assert_rel_close(out, gemv)
 
 
-@pytest.mark.parametrize("config", [IntMmaConfig(), IntMmaConfig(block_m=32, gate_up_rows=128, k_blocks=2)],
-                         ids=["default", "m32_rows128_k2"])
+@pytest.mark.parametrize("config", [IntMmaConfig(block_m=8), IntMmaConfig(block_m=32, gate_up_rows=128, k_blocks=2)],
+                         ids=["m8", "m32_rows128_k2"])
 def test_int_mma_e8m0_bytes_0_and_254_and_fp32_compiled(config):
     """The compiled tensor-core path (PTX lookup, wgmma, the 3.0-bits read of the int32 dots) on
     E8M0 bytes 0 and 254 with fp32 activations: exact up to fp32 summation order."""
