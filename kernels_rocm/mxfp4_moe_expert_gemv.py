@@ -317,9 +317,17 @@ def fused_moe_mxfp4_expert_gemv(
         w2_scale.stride(0), w2_scale.stride(1), partial.stride(0),
         PTX_DOT=ptx, BLOCK_M=cfg.block_m, KL=kl, G=g, R=r, num_warps=cfg.down_warps, **launch,
     )
+    return sum_slots(partial, topk_ids, num_experts, out)
+
+
+def sum_slots(partial: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torch.Tensor) -> torch.Tensor:
+    """out [T, H] = each token's weighted per-slot rows partial [T * top_k, H] summed in slot order
+    in fp32 (`_slot_sum_kernel`: deterministic, no atomics), slots of ids outside [0, E) skipped."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = partial.shape[1]
     block = min(1024, triton.next_power_of_2(hidden))
     _slot_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
         partial, topk_ids, out, hidden, num_experts, partial.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK=block, num_warps=4, **launch,
+        TOP_K=top_k, BLOCK=block, num_warps=4, **pdl.launch_args(out.device),
     )
     return out

@@ -35,7 +35,7 @@ the CUDA cores:
   dequantizing reference's fp32 block sum, bit for bit, times 2^-20 (2^-22, and the codes are twice
   the values); the accumulator is scaled back once (x 2^20) before the epilogue;
 - kernel 1 writes silu(gate) * up per pair, `quantize_rows` quantizes h, kernel 2 writes each
-  pair's routing weight x h @ W2[e]^T in x's dtype and `_slot_sum_kernel` (expert-GEMV path) adds a
+  pair's routing weight x h @ W2[e]^T in x's dtype and `sum_slots` (expert-GEMV path) adds a
   token's slots in fp32 in slot order.
 
 NVIDIA only (PTX lookup, mma.sync register layouts; the interpreter runs the same tiles with a
@@ -63,7 +63,7 @@ from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import INTERPRET
 from kernels_rocm.fused_moe import moe_align_block_size
 from kernels_rocm.mxfp4_moe_decode import quantize_rows
-from kernels_rocm.mxfp4_moe_expert_gemv import _pair_rows, _slot_sum_kernel
+from kernels_rocm.mxfp4_moe_expert_gemv import _pair_rows, sum_slots
 
 # fp32 3.0: the int32 block dot d added to its bits is 3 + d * 2^-22 (ulp 2^-22 on [2, 4), |d| < 2^21)
 MAGIC_BITS = tl.constexpr(0x40400000)
@@ -285,9 +285,4 @@ def fused_moe_mxfp4_int_mma(
         w2_scale.stride(0), w2_scale.stride(1), partial.stride(0),
         PTX=ptx, BLOCK_M=cfg.block_m, ROWS=cfg.down_rows, KB=_k_blocks(inter, cfg.k_blocks), **launch,
     )
-    block = min(1024, triton.next_power_of_2(hidden))
-    _slot_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        partial, topk_ids, out, hidden, num_experts, partial.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK=block, num_warps=4, **pdl.launch_args(x.device),
-    )
-    return out
+    return sum_slots(partial, topk_ids, num_experts, out)
