@@ -48,6 +48,7 @@ def load_baseline(path: Path):
     """The baseline file as a module of the kernels_rocm package (its relative helpers resolve)."""
     spec = importlib.util.spec_from_file_location("kernels_rocm.skinny_gemm_baseline", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
