@@ -283,11 +283,11 @@ GEMV_BLOCK_N = (1, 2, 4, 8, 16, 32)
 
 def gemv_sweep(m: int) -> list:
     """skinny_gemm launch configs timed at M rows: block_n x num_warps under the register cap
-    (block_n x M padded to a power of two <= 16): 20 configs at M 1, 16 at M 2, 12 at M 4, 8 at M 8."""
+    (block_n x M padded to a power of two <= 64): 20 configs at M 1-2, 16 at M 4, 12 at M 8."""
     from kernels_rocm.skinny_gemm import NUM_WARPS, GemvConfig
 
     padded = 1 << (m - 1).bit_length()
-    return [GemvConfig(block_n, warps) for block_n in GEMV_BLOCK_N for warps in NUM_WARPS if block_n * padded <= 16]
+    return [GemvConfig(block_n, warps) for block_n in GEMV_BLOCK_N for warps in NUM_WARPS if block_n * padded <= 64]
 
 
 def _config_name(config) -> str:
