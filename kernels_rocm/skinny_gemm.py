@@ -114,6 +114,19 @@ def _step_sum(w, x_ptrs, x_mask, norm_weight_ptr, k, rstd, dtype: tl.constexpr, 
 
 
 @triton.jit
+def _steps_from(acc, K_START: tl.constexpr, k_full, K, w_ptrs, x_ptrs, m_valid, rk, norm_weight_ptr, rstd,
+                dtype: tl.constexpr, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc plus the whole K steps from K_START to k_full, then the partial step to K, if any."""
+    for k0 in range(K_START, k_full, BLOCK_K):
+        acc += _step_sum(tl.load(w_ptrs + k0), x_ptrs + k0, m_valid, norm_weight_ptr, rk + k0, rstd, dtype, NORM)
+    if k_full < K:
+        k_valid = rk < K - k_full
+        acc += _step_sum(tl.load(w_ptrs + k_full, mask=k_valid, other=0.0), x_ptrs + k_full, m_valid & k_valid,
+                         norm_weight_ptr, rk + k_full, rstd, dtype, NORM, k_valid)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, norm_weight_ptr, norm_eps, M, N, K,
     stride_xm: tl.int64, stride_wn: tl.int64, stride_ym: tl.int64,
@@ -176,22 +189,17 @@ def _gemv_kernel(
             squares += tl.sum(x * x, axis=3)
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + norm_eps)[None, :, :, None]  # [1, 1, BLOCK_M, 1]
     acc = tl.zeros((LANES, BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_start = 0
+    dtype_x: tl.constexpr = x_ptr.dtype.element_ty
     if EARLY:
         if k_full > 0:  # w_first is step 0, whole
-            acc += _step_sum(w_first, x_ptrs, m_valid, norm_weight_ptr, rk, rstd, x_ptr.dtype.element_ty, NORM)
-            k_start = BLOCK_K
-    for k0 in range(k_start, k_full, BLOCK_K):
-        acc += _step_sum(tl.load(w_ptrs + k0), x_ptrs + k0, m_valid, norm_weight_ptr, rk + k0, rstd,
-                         x_ptr.dtype.element_ty, NORM)
-    if k_full < K:
-        k_valid = rk < K - k_full
-        if EARLY and k_full == 0:
-            w = w_first  # K under one step: w_first is the whole (masked) row
-        else:
-            w = tl.load(w_ptrs + k_full, mask=k_valid, other=0.0)
-        acc += _step_sum(w, x_ptrs + k_full, m_valid & k_valid, norm_weight_ptr, rk + k_full, rstd,
-                         x_ptr.dtype.element_ty, NORM, k_valid)
+            acc += _step_sum(w_first, x_ptrs, m_valid, norm_weight_ptr, rk, rstd, dtype_x, NORM)
+            acc = _steps_from(acc, BLOCK_K, k_full, K, w_ptrs, x_ptrs, m_valid, rk, norm_weight_ptr, rstd, dtype_x, NORM,
+                              BLOCK_K)
+        else:  # K under one step: w_first is the whole (masked) row
+            k_valid = rk < K
+            acc += _step_sum(w_first, x_ptrs, m_valid & k_valid, norm_weight_ptr, rk, rstd, dtype_x, NORM, k_valid)
+    else:
+        acc = _steps_from(acc, 0, k_full, K, w_ptrs, x_ptrs, m_valid, rk, norm_weight_ptr, rstd, dtype_x, NORM, BLOCK_K)
     out = tl.sum(acc, axis=0)  # [BLOCK_N, BLOCK_M]: the one cross-lane reduction
     dtype = y_ptr.dtype.element_ty
     if SWIGLU:
