@@ -341,6 +341,8 @@ class _CompileInsteadOfLaunch:
         kwargs.setdefault("debug", False)
         if not target.is_hip and "PDL" in fn.arg_names:  # what an sm_90 launch runs (kernels_rocm._pdl)
             kwargs.update(PDL=True, launch_pdl=True)
+            if "PRELOAD" in fn.arg_names:  # skinny_gemm: with PDL, weights loaded before the wait
+                kwargs.update(PRELOAD=True)
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound_args, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)

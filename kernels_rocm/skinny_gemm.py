@@ -38,6 +38,7 @@ import triton.language as tl
 from kernels_rocm import _pdl as pdl
 from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import (
+    INTERPRET,
     IS_HIP,
     SUPPORTED_DTYPES,
     check_dim,
@@ -49,6 +50,7 @@ from kernels_rocm.rms_norm import rms_scale
 
 MAX_M = 8  # rows of x a launch takes; beyond, accumulators (BLOCK_M x BLOCK_N a lane) crowd registers
 NUM_WARPS = (1, 2, 4, 8)
+PRELOAD_BYTES = tl.constexpr(128)  # a lane's first-step weights held across the PDL wait: 8 rows of 16 bytes
 
 
 @dataclass(frozen=True)
@@ -97,19 +99,57 @@ FASTER_THAN_CUBLAS_UP_TO_M = 4  # same sweep: faster than cuBLAS on all five sha
 
 
 @triton.jit
+def _step_sum(w, x_ptrs, x_mask, norm_weight_ptr, k, rstd, dtype: tl.constexpr, NORM: tl.constexpr, k_valid=None):
+    """One K step's products summed over the vector: [LANES, BLOCK_N, BLOCK_M] in fp32 (under NORM x
+    is normalized as it is loaded, with the norm weights at offsets `k`, masked by `k_valid` in a
+    partial step)."""
+    x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+    if NORM:
+        if k_valid is None:
+            norm_weight = tl.load(norm_weight_ptr + k)
+        else:
+            norm_weight = tl.load(norm_weight_ptr + k, mask=k_valid, other=0.0)
+        x = rms_scale(x, rstd, norm_weight, dtype).to(tl.float32)
+    return tl.sum(x * w.to(tl.float32), axis=3)
+
+
+@triton.jit
+def _steps_from(acc, K_START: tl.constexpr, k_full, K, w_ptrs, x_ptrs, m_valid, rk, norm_weight_ptr, rstd,
+                dtype: tl.constexpr, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc plus the whole K steps from K_START to k_full, then the partial step to K, if any."""
+    for k0 in range(K_START, k_full, BLOCK_K):
+        acc += _step_sum(tl.load(w_ptrs + k0), x_ptrs + k0, m_valid, norm_weight_ptr, rk + k0, rstd, dtype, NORM)
+    if k_full < K:
+        k_valid = rk < K - k_full
+        acc += _step_sum(tl.load(w_ptrs + k_full, mask=k_valid, other=0.0), x_ptrs + k_full, m_valid & k_valid,
+                         norm_weight_ptr, rk + k_full, rstd, dtype, NORM, k_valid)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, norm_weight_ptr, norm_eps, M, N, K,
     stride_xm: tl.int64, stride_wn: tl.int64, stride_ym: tl.int64,
     stride_xb: tl.int64, stride_wb: tl.int64, stride_yb: tl.int64,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
-    SWIGLU: tl.constexpr, BATCHED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    SWIGLU: tl.constexpr, BATCHED: tl.constexpr, NORM: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
 ):
     # Tiles are [LANES, BLOCK_N or 1, 1 or BLOCK_M, VEC] with k = lane * VEC + v. Only the VEC axis
     # is contiguous in memory, so Triton gives it to one lane (a 16-byte vector), spreads the lane
     # axis (listed first) over lanes then warps exactly (LANES = warp size x num_warps), and keeps
     # the N and M axes in every lane's registers: the x and w loads get one layout, and the
     # broadcast product and the VEC sum never leave the lane.
-    wait_for_previous_kernel(PDL)
+    # EARLY: the first K step's weights are loaded before the PDL wait. No kernel of a step writes
+    # weights, so that load may overlap the previous kernel's tail instead of following it (most of
+    # Kimi-K2.5 TP8's projections, K <= 2,048 at 8 warps, are one step: their whole read). The rows'
+    # vectors are then live across the wait (4 registers a 16-byte vector), hence only for programs
+    # of few rows and accumulators (the default shapes; the widest of bench_roofline's sweep would
+    # spill), and only where PRELOAD says PDL can overlap it: elsewhere the kernel is as it was.
+    # Everything that reads x or writes y stays after the wait.
+    ROW_STEP_BYTES: tl.constexpr = VEC * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    EARLY: tl.constexpr = PRELOAD and BLOCK_N * ROW_STEP_BYTES <= PRELOAD_BYTES and BLOCK_N * BLOCK_M <= 16
+    if not EARLY:
+        wait_for_previous_kernel(PDL)
     BLOCK_K: tl.constexpr = LANES * VEC
     if BATCHED:  # grid axis 1: skinny_bmm's batch entry (a head); skinny_gemm's code stays as it was measured
         batch = tl.program_id(1).to(tl.int64)
@@ -132,6 +172,10 @@ def _gemv_kernel(
     x_ptrs = x_ptr + rm[None, None, :, None].to(tl.int64) * stride_xm + rk  # [LANES, 1, BLOCK_M, VEC]
     m_valid = (rm < M)[None, None, :, None]
     k_full = (K // BLOCK_K) * BLOCK_K  # written so that K - k_full keeps K's divisibility (vector masks)
+    if EARLY:
+        w_first = tl.load(w_ptrs, mask=rk < K, other=0.0)
+        wait_for_previous_kernel(PDL)
+    rstd = 1.0  # the norm's reciprocal RMS, [1, 1, BLOCK_M, 1] under NORM
     if NORM:
         # RMSNorm prologue: every program reads its x rows whole once more (M x K, from L2) for their
         # sums of squares, then normalizes each x vector as it is loaded, rounded as
@@ -145,20 +189,17 @@ def _gemv_kernel(
             squares += tl.sum(x * x, axis=3)
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + norm_eps)[None, :, :, None]  # [1, 1, BLOCK_M, 1]
     acc = tl.zeros((LANES, BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, k_full, BLOCK_K):
-        w = tl.load(w_ptrs + k0).to(tl.float32)
-        x = tl.load(x_ptrs + k0, mask=m_valid, other=0.0).to(tl.float32)
-        if NORM:
-            x = rms_scale(x, rstd, tl.load(norm_weight_ptr + rk + k0), x_ptr.dtype.element_ty).to(tl.float32)
-        acc += tl.sum(x * w, axis=3)
-    if k_full < K:
-        k_valid = rk < K - k_full
-        w = tl.load(w_ptrs + k_full, mask=k_valid, other=0.0).to(tl.float32)
-        x = tl.load(x_ptrs + k_full, mask=m_valid & k_valid, other=0.0).to(tl.float32)
-        if NORM:
-            x = rms_scale(x, rstd, tl.load(norm_weight_ptr + rk + k_full, mask=k_valid, other=0.0),
-                          x_ptr.dtype.element_ty).to(tl.float32)
-        acc += tl.sum(x * w, axis=3)
+    dtype_x: tl.constexpr = x_ptr.dtype.element_ty
+    if EARLY:
+        if k_full > 0:  # w_first is step 0, whole
+            acc += _step_sum(w_first, x_ptrs, m_valid, norm_weight_ptr, rk, rstd, dtype_x, NORM)
+            acc = _steps_from(acc, BLOCK_K, k_full, K, w_ptrs, x_ptrs, m_valid, rk, norm_weight_ptr, rstd, dtype_x, NORM,
+                              BLOCK_K)
+        else:  # K under one step: w_first is the whole (masked) row
+            k_valid = rk < K
+            acc += _step_sum(w_first, x_ptrs, m_valid & k_valid, norm_weight_ptr, rk, rstd, dtype_x, NORM, k_valid)
+    else:
+        acc = _steps_from(acc, 0, k_full, K, w_ptrs, x_ptrs, m_valid, rk, norm_weight_ptr, rstd, dtype_x, NORM, BLOCK_K)
     out = tl.sum(acc, axis=0)  # [BLOCK_N, BLOCK_M]: the one cross-lane reduction
     dtype = y_ptr.dtype.element_ty
     if SWIGLU:
@@ -261,12 +302,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, m: int, n: int, k
     if not (m and n_out and batch):
         return
     warp_size = 64 if IS_HIP else 32  # the tile layout needs one lane per LANES entry (CDNA: wave64)
+    launch = pdl.launch_args(x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n), batch)](
         # without the norm its arguments go as None (constexpr): the plain GEMV compiles as before
         x, w, y, norm_weight, norm_eps if norm_weight is not None else None, m, n_out, k,
         *row_strides, *(batch_strides or (0, 0, 0)),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, LANES=warp_size * config.num_warps,
         VEC=max(1, config.vector_bytes // x.element_size()), SWIGLU=swiglu, BATCHED=batch_strides is not None,
-        NORM=norm_weight is not None, num_warps=config.num_warps,
-        **pdl.launch_args(x.device),
+        # the early weight load where PDL can overlap it, and under the interpreter (CI checks that form)
+        NORM=norm_weight is not None, PRELOAD=launch["PDL"] or INTERPRET,
+        num_warps=config.num_warps, **launch,
     )

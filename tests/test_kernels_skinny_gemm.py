@@ -12,11 +12,13 @@ from kernels_rocm.activation import silu_and_mul
 from kernels_rocm.rms_norm import rms_norm
 from kernels_rocm.skinny_gemm import MAX_M, GemvConfig, default_config, skinny_gemm
 
-CONFIGS = [GemvConfig(block_n=4, num_warps=1), GemvConfig(block_n=8, num_warps=2), None]
+# 16 rows of 16-byte vectors are past PRELOAD_BYTES: the first step is loaded after the PDL wait there
+CONFIGS = [GemvConfig(block_n=4, num_warps=1), GemvConfig(block_n=8, num_warps=2), GemvConfig(block_n=16, num_warps=1),
+           None]
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("config", CONFIGS, ids=["4x1", "8x2", "default"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["4x1", "8x2", "16x1_no_preload", "default"])
 def test_matches_linear(m, config):
     g = torch.Generator().manual_seed(m)
     # fp32: 16-byte vectors of 4, 1 warp: K steps of 128. K 389 = 3 steps + a tail of 5 (one vector
