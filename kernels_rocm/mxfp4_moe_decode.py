@@ -65,6 +65,8 @@ from kernels_rocm import _pdl as pdl
 from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import INTERPRET, IS_HIP
 
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # h's dtype, x's
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of the two decode kernels: `*_rows` rows in each lane's registers (a power of
@@ -84,6 +86,11 @@ class DecodeConfig:
     gate_up_warps: int = 4
     down_rows: int = 2
     down_warps: int = 4
+    gate_up_k_lanes: int | None = None  # the most lanes along K (None: up to the row's vectors)
+    down_k_lanes: int | None = None
+    fuse_h_quant: bool = False  # W4A4: kernel 1 writes h's codes and scales (tiles of whole 32-row blocks)
+    pipeline: bool = False  # W4A4: kernel 1 loads the next K step's weights before the current step's dots
+    prefetch: bool = False  # W4A4 with PDL: the first weights loaded (kernel 2: into L2) before the wait
 
 
 @triton.jit
@@ -120,26 +127,36 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, stride_x: tl.int64, stri
                           PDL: tl.constexpr):
     """codes[row], scales[row] = the MXFP4 quantization of x[row] per 32 consecutive values
     (quantize_mxfp4_blocks; a width that is a multiple of 32: the masked tail holds whole
-    blocks), the codes of each block in paired word order (`quantize_rows`); with MMA_LAYOUT
-    each block's 32 codes, in element order, are followed by their negations and the scales are
-    written as fp32."""
+    blocks), stored by `_store_codes`."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
-    mask = cols < width
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    col0 = tl.program_id(1) * BLOCK
+    cols = (col0 + tl.arange(0, BLOCK))[None, :]
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < width, other=0.0).to(tl.float32)
     codes, scales = quantize_mxfp4_blocks(x, 1, BLOCK)
-    word = (cols % 32) // 4
-    paired = cols - cols % 32 + (word // 2 + 4 * (word % 2)) * 4 + cols % 4
-    blocks = (tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32))[None, :]
+    _store_codes(codes_ptr + row * stride_codes, scales_ptr + row * stride_scales, col0, codes, scales, width,
+                 BLOCK, MMA_LAYOUT)
+
+
+@triton.jit
+def _store_codes(codes_ptr, scales_ptr, col0, codes, scales, width, COLS: tl.constexpr, MMA_LAYOUT: tl.constexpr):
+    """Store one row's codes [1, COLS] and scales [1, COLS / 32] (`quantize_mxfp4_blocks`) of columns
+    col0.. (col0 a multiple of 32; columns from `width` on are not stored), the codes of each block
+    in paired word order (`quantize_rows`); with MMA_LAYOUT each block's 32 codes, in element order,
+    are followed by their negations and the scales are written as fp32."""
+    cols = (col0 + tl.arange(0, COLS))[None, :]
+    mask = cols < width
+    blocks = (col0 // 32 + tl.arange(0, COLS // 32))[None, :]
     if MMA_LAYOUT:
         natural = cols + cols - cols % 32
-        tl.store(codes_ptr + row * stride_codes + natural, codes, mask=mask)
-        tl.store(codes_ptr + row * stride_codes + natural + 32, -codes, mask=mask)
-        tl.store(scales_ptr + row * stride_scales + blocks, e8m0_to_fp32(scales), mask=blocks * 32 < width)
+        tl.store(codes_ptr + natural, codes, mask=mask)
+        tl.store(codes_ptr + natural + 32, -codes, mask=mask)
+        tl.store(scales_ptr + blocks, e8m0_to_fp32(scales), mask=blocks * 32 < width)
     else:
-        tl.store(codes_ptr + row * stride_codes + paired, codes, mask=mask)
-        tl.store(scales_ptr + row * stride_scales + blocks, scales.to(tl.uint8), mask=blocks * 32 < width)
+        word = (cols % 32) // 4
+        paired = cols - cols % 32 + (word // 2 + 4 * (word % 2)) * 4 + cols % 4
+        tl.store(codes_ptr + paired, codes, mask=mask)
+        tl.store(scales_ptr + blocks, scales.to(tl.uint8), mask=blocks * 32 < width)
 
 
 @triton.jit
@@ -168,7 +185,25 @@ def _int_block_partial(w_ptrs, s_ptrs, x_lo, x_hi, a_scale, valid, PTX_DOT: tl.c
         dots = e2m1_dot_ptx(words, x_lo, x_hi)
     else:
         dots = _e2m1_dot(words, x_lo, x_hi)
+    # the scale loaded after the dots (loaded with the words: 70 registers instead of 64 in sm_90 kernel 1)
     scale = e8m0_to_fp32(tl.load(s_ptrs, mask=valid, other=127))
+    return (tl.sum(dots, axis=3).to(tl.float32) * a_scale) * scale
+
+
+@triton.jit
+def _int_weight_block(w_ptrs, s_ptrs, valid):
+    """The weight words [KL, G, R, 4] and fp32 scales [KL, G, R] of `_int_block_partial`."""
+    words = tl.load(w_ptrs, mask=valid[:, :, :, None], other=0)
+    return words, e8m0_to_fp32(tl.load(s_ptrs, mask=valid, other=127))
+
+
+@triton.jit
+def _int_block_dot(words, scale, x_lo, x_hi, a_scale, PTX_DOT: tl.constexpr):
+    """`_int_block_partial` on weights loaded ahead (`_int_weight_block`)."""
+    if PTX_DOT:
+        dots = e2m1_dot_ptx(words, x_lo, x_hi)
+    else:
+        dots = _e2m1_dot(words, x_lo, x_hi)
     return (tl.sum(dots, axis=3).to(tl.float32) * a_scale) * scale
 
 
@@ -198,17 +233,25 @@ def _tile_offsets(N, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
 # and a shared-memory layout conversion in every loop step (seen in the sm_90 SASS).
 # A_INT (W4A4): x / h are MXFP4 codes as int32 words with their scale bytes (`quantize_rows`), the
 # weights int32 words (strides in words), and each block is an integer dot (`_int_block_partial`).
+# FUSE_H_QUANT (W4A4, tiles of whole 32-row blocks): h is written as codes and scale bytes (h_ptr
+# int8, hs_ptr), as quantize_rows(h) would. PIPELINE (W4A4): the next K step's weight words are loaded
+# before the current step's dots. PREFETCH (with PIPELINE): the first step's weights are loaded before
+# the PDL wait, while the kernel before runs: the weights are constant and topk_ids was written at
+# least two launches back (quantize_rows(x) sits between; see _pdl: a kernel lets its dependents
+# launch only after its own wait).
 @triton.jit(do_not_specialize=["stride_sk"])
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, ids_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, hs_ptr, ids_ptr,
     N, K, E, stride_sk,  # N = intermediate size I (gate rows [0, N), up rows [N, 2N)), K = hidden size H, E experts
     stride_xm: tl.int64, stride_xsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
-    stride_se: tl.int64, stride_sn: tl.int64, stride_hm: tl.int64,
-    TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr,
+    stride_se: tl.int64, stride_sn: tl.int64, stride_hm: tl.int64, stride_hsm: tl.int64,
+    TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, H_DTYPE: tl.constexpr,
+    FUSE_H_QUANT: tl.constexpr, PIPELINE: tl.constexpr, PREFETCH: tl.constexpr,
     KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
+    if not PREFETCH:
+        wait_for_previous_kernel(PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     expert = tl.where((expert >= 0) & (expert < E), expert, 0)  # in bounds; _down_kernel drops the pair
@@ -224,12 +267,30 @@ def _gate_up_kernel(
         w_up = w_gate + N * stride_wn
         x_words = x_ptr + (pair // TOP_K) * stride_xm + lane[:, :, :, None] * 8 + words
         x_scales = xs_ptr + (pair // TOP_K) * stride_xsm + lane
-        for j0 in range(0, num_blocks, KL):
-            valid = lane + j0 < num_blocks
-            x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
-            gate += _int_block_partial(w_gate + j0 * 4, s_gate + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
-                                       PTX_DECODE)
-            up += _int_block_partial(w_up + j0 * 4, s_up + j0 * stride_sk, x_lo, x_hi, a_scale, valid, PTX_DECODE)
+        if PIPELINE:
+            w_g, s_g = _int_weight_block(w_gate, s_gate, lane < num_blocks)
+            w_u, s_u = _int_weight_block(w_up, s_up, lane < num_blocks)
+            if PREFETCH:
+                wait_for_previous_kernel(PDL)
+            for j0 in range(0, num_blocks, KL):
+                valid = lane + j0 < num_blocks
+                x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
+                j1 = j0 + KL
+                next_g, next_sg = _int_weight_block(w_gate + j1 * 4, s_gate + j1 * stride_sk, lane + j1 < num_blocks)
+                next_u, next_su = _int_weight_block(w_up + j1 * 4, s_up + j1 * stride_sk, lane + j1 < num_blocks)
+                gate += _int_block_dot(w_g, s_g, x_lo, x_hi, a_scale, PTX_DECODE)
+                up += _int_block_dot(w_u, s_u, x_lo, x_hi, a_scale, PTX_DECODE)
+                w_g, s_g, w_u, s_u = next_g, next_sg, next_u, next_su
+        else:
+            if PREFETCH:
+                wait_for_previous_kernel(PDL)
+            for j0 in range(0, num_blocks, KL):
+                valid = lane + j0 < num_blocks
+                x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
+                gate += _int_block_partial(w_gate + j0 * 4, s_gate + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
+                                           PTX_DECODE)
+                up += _int_block_partial(w_up + j0 * 4, s_up + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
+                                         PTX_DECODE)
     else:
         w_gate = w_ptr + expert * stride_we + rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
         w_up = w_gate + N * stride_wn
@@ -239,9 +300,21 @@ def _gate_up_kernel(
             a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, KL, G)
             gate += _block_partial(w_gate + j0 * 16, s_gate + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
             up += _block_partial(w_up + j0 * 16, s_up + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
-    h = silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0), h_ptr.dtype.element_ty)  # [G, R]
-    out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
-    tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
+    h = silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0), H_DTYPE)  # [G, R]
+    if FUSE_H_QUANT:  # rows past N form whole blocks (N and the tile are multiples of 32): not stored
+        codes, scales = quantize_mxfp4_blocks(tl.reshape(h.to(tl.float32), [1, G * R]), 1, G * R)
+        _store_codes(h_ptr + pair * stride_hm, hs_ptr + pair * stride_hsm, tl.program_id(1) * (G * R), codes, scales,
+                     N, G * R, False)
+    else:
+        out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
+        tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """CUDA: ask L2 to fetch the line of each pointer (no registers held, nothing waits for it)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -290,12 +363,17 @@ def _down_kernel(
     stride_hm: tl.int64, stride_hsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
     stride_se: tl.int64, stride_sn: tl.int64, stride_om: tl.int64,
     TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, UNROLL_SLOTS: tl.constexpr,
-    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+    PREFETCH: tl.constexpr, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     rows, row_valid, lane, byte, act = _tile_offsets(N, KL, G, R)
+    if PREFETCH:  # CUDA, W4A4: the slots' first weight vectors into L2 while the kernel before runs (see kernel 1)
+        for slot in tl.static_range(TOP_K):
+            expert = tl.load(ids_ptr + token * TOP_K + slot).to(tl.int64)
+            expert = tl.where((expert >= 0) & (expert < E), expert, 0)
+            _prefetch_l2(w_ptr + expert * stride_we + rows * stride_wn + lane * 4)
+    wait_for_previous_kernel(PDL)
     if A_INT:
         act = _int_words(G)
         w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 4 + act
@@ -343,12 +421,13 @@ def _tile(k: int, rows: int, warps: int, k_lanes: int | None = None) -> tuple[in
     return kl, lanes // kl, rows
 
 
-def _check_config(cfg, powers_of_two: tuple[str, ...] = ("gate_up_rows", "down_rows")) -> None:
+def _check_config(cfg, powers_of_two: tuple[str, ...] = ("gate_up_rows", "down_rows", "gate_up_k_lanes",
+                                                         "down_k_lanes")) -> None:
     """ValueError naming the field unless `powers_of_two` are powers of two and the warps 1-8."""
     name_of = type(cfg).__name__
     for name in powers_of_two:
         value = getattr(cfg, name)
-        if value < 1 or value & (value - 1):
+        if value is not None and (value < 1 or value & (value - 1)):  # None: unlimited k_lanes
             raise ValueError(f"{name_of}.{name} must be a power of two, got {value}")
     for name in ("gate_up_warps", "down_warps"):
         if getattr(cfg, name) not in (1, 2, 4, 8):
@@ -367,29 +446,43 @@ def fused_moe_mxfp4_decode(
     cfg = config or DecodeConfig()
     _check_config(cfg)
     ptx = not IS_HIP and not INTERPRET  # the CUDA weight decode / integer dot in PTX
-    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    if quantize_activations:  # W4A4: integer dots of the codes, the weights read as int32 words
-        (x, x_scales), w13, w2 = quantize_rows(x), _words(w13, "w13"), _words(w2, "w2")
-        x = x.view(torch.int32)
+    kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps, cfg.gate_up_k_lanes)
+    if (cfg.fuse_h_quant or cfg.pipeline or cfg.prefetch) and not quantize_activations:
+        raise ValueError("DecodeConfig: fuse_h_quant, pipeline and prefetch are for MXFP4 activations (W4A4)")
+    if cfg.fuse_h_quant and (g * r) % MX_BLOCK:
+        raise ValueError(f"DecodeConfig.fuse_h_quant needs kernel 1 tiles of whole {MX_BLOCK}-row blocks, "
+                         f"got {g * r} rows (gate_up_rows x lanes / k lanes)")
+    prefetch = cfg.prefetch and ptx  # the L2 prefetch is PTX; loading before the wait needs a kernel between
+    pairs = num_tokens * top_k
+    if cfg.fuse_h_quant:  # h's codes and scales straight from kernel 1
+        h = torch.empty(pairs, inter, dtype=torch.int8, device=x.device)
+        h_scales = torch.empty(pairs, inter // MX_BLOCK, dtype=torch.uint8, device=x.device)
     else:
-        x_scales = x  # unused
-    kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps)
-    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, g * r))](
-        x, x_scales, w13, w13_scale, h, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
-        x.stride(0), x_scales.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        h.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, KL=kl, G=g, R=r,
-        num_warps=cfg.gate_up_warps, **pdl.launch_args(x.device),
+        h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        h_scales = h  # unused
+    if quantize_activations:  # W4A4: integer dots of the codes, the weights read as int32 words
+        (x_in, x_scales), w13, w2 = quantize_rows(x), _words(w13, "w13"), _words(w2, "w2")
+        x_in = x_in.view(torch.int32)
+    else:
+        x_in, x_scales = x, x  # x_scales unused
+    _gate_up_kernel[(pairs, triton.cdiv(inter, g * r))](
+        x_in, x_scales, w13, w13_scale, h, h_scales, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
+        x_in.stride(0), x_scales.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        h.stride(0), h_scales.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations,
+        H_DTYPE=_TL_DTYPE[x.dtype], FUSE_H_QUANT=cfg.fuse_h_quant, PIPELINE=cfg.pipeline,
+        PREFETCH=cfg.prefetch and cfg.pipeline, KL=kl, G=g, R=r, num_warps=cfg.gate_up_warps,
+        **pdl.launch_args(x.device),
     )
-    h_in, h_scales = h, h
+    if quantize_activations and not cfg.fuse_h_quant:
+        h, h_scales = quantize_rows(h)
     if quantize_activations:
-        h_in, h_scales = quantize_rows(h)
-        h_in = h_in.view(torch.int32)
-    kl, g, r = _tile(inter, cfg.down_rows, cfg.down_warps)
+        h = h.view(torch.int32)
+    kl, g, r = _tile(inter, cfg.down_rows, cfg.down_warps, cfg.down_k_lanes)
     _down_kernel[(num_tokens, triton.cdiv(hidden, g * r))](
-        h_in, h_scales, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
-        h_in.stride(0), h_scales.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        h, h_scales, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
+        h.stride(0), h_scales.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         out.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, UNROLL_SLOTS=not IS_HIP,
-        KL=kl, G=g, R=r, num_warps=cfg.down_warps, **pdl.launch_args(x.device),
+        PREFETCH=prefetch, KL=kl, G=g, R=r, num_warps=cfg.down_warps, **pdl.launch_args(x.device),
     )
     return out
 

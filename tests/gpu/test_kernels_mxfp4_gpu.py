@@ -15,6 +15,8 @@ the W4A4 tensor-core path (mxfp4_moe_int_mma) and its PTX code lookup.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,6 +128,33 @@ def test_moe_decode_path_matches_grouped_path(num_tokens, quantize):
                               config=moe_default_config(num_tokens, 8, 384, 7168, 256, x.device))
     decode = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, config=DecodeConfig())
     assert_rel_close(decode, grouped)
+
+
+DECODE_W4A4_VARIANTS = {
+    "fused_h_quant": DecodeConfig(gate_up_k_lanes=8, fuse_h_quant=True),
+    "pipelined_prefetch": DecodeConfig(pipeline=True, prefetch=True),
+    "fused_pipelined_prefetch": DecodeConfig(gate_up_k_lanes=8, fuse_h_quant=True, pipeline=True, prefetch=True),
+}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 32])
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+@pytest.mark.parametrize("name", list(DECODE_W4A4_VARIANTS))
+def test_moe_decode_w4a4_variants_compiled(name, shape, num_tokens):
+    """The decode path's W4A4 options, compiled (PDL, the PTX dots and L2 prefetch): against the
+    fp32 reference, and bit for bit the same tiles without them (quantize_rows(h), the plain loop,
+    no prefetch), graph-replayed with new routing."""
+    config = DECODE_W4A4_VARIANTS[name]
+    plain = dataclasses.replace(config, fuse_h_quant=False, pipeline=False, prefetch=False)
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=15)
+    graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=config))
+    for seed in (16, 17):
+        _, _, _, _, _, new_weights, new_ids = moe_inputs(shape, num_tokens, seed=seed)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, True))
+        assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=plain))
 
 
 def test_moe_decode_e8m0_bytes_0_and_254_compiled():
