@@ -43,25 +43,19 @@ from bench_mxfp4 import (  # noqa: E402
 from bench_mxfp4_expert_gemv import TOKENS as BENCH_TOKENS  # noqa: E402
 from kernels_rocm import _pdl as pdl  # noqa: E402
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig  # noqa: E402
+from kernels_rocm.mxfp4_moe_expert_gemv import default_config as expert_default  # noqa: E402
 
 OURS = ("_quantize_rows_kernel", "_gate_up_kernel", "_down_kernel")
-VARIANTS = {
-    "default": DecodeConfig(),
-    "gu_r4_w2": DecodeConfig(gate_up_rows=4, gate_up_warps=2),
-    "gu_kl32": DecodeConfig(gate_up_k_lanes=32),
-    "gu_kl32_r4": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32),
-    "gu_pipe": DecodeConfig(pipeline=True),
-    "gu_pipe_pref": DecodeConfig(pipeline=True, prefetch=True),
-    "down_l2_pref": DecodeConfig(prefetch=True),
-    "fused_kl8": DecodeConfig(gate_up_k_lanes=8, fuse_h_quant=True),
-    "fused_kl8_pipe_pref": DecodeConfig(gate_up_k_lanes=8, fuse_h_quant=True, pipeline=True, prefetch=True),
-    "fused_w8_kl16": DecodeConfig(gate_up_warps=8, gate_up_k_lanes=16, fuse_h_quant=True),
-    "fused_kl16_r4": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=16, fuse_h_quant=True),
-    "down_r1": DecodeConfig(down_rows=1),
-    "down_r1_w8": DecodeConfig(down_rows=1, down_warps=8),
-    "down_r4": DecodeConfig(down_rows=4),
-    "down_w2": DecodeConfig(down_warps=2),
+GATE_UP = {  # kernel 1 launch shapes (fu: h quantized by kernel 1, tiles of 32 rows)
+    "g0": {},
+    "g_r4w2": dict(gate_up_rows=4, gate_up_warps=2),
+    "g_kl32r4": dict(gate_up_rows=4, gate_up_k_lanes=32),
+    "fu_kl16r4": dict(gate_up_rows=4, gate_up_k_lanes=16, fuse_h_quant=True),
+    "fu_w8kl32r4": dict(gate_up_rows=4, gate_up_warps=8, gate_up_k_lanes=32, fuse_h_quant=True),
 }
+DOWN = {"d0": {}, "d_reg72": dict(down_maxnreg=72), "d_r4": dict(down_rows=4)}
+VARIANTS = {"default": DecodeConfig()} | {
+    f"{g}+{d}": DecodeConfig(**GATE_UP[g], **DOWN[d]) for g in GATE_UP for d in DOWN if (g, d) != ("g0", "d0")}
 
 
 def _timeline(graph: torch.cuda.CUDAGraph, flush: torch.Tensor, replays: int = 12) -> dict:
@@ -113,23 +107,32 @@ def _graph(fn):
     return graph
 
 
-def profile(copy_gbps: float, token_counts: list[int], variants: list[str]) -> tuple[list[dict], list[str]]:
+def _inputs(weights: MoeWeights, tokens: int):
+    """ci/bench_mxfp4_expert_gemv.py's inputs at its token counts (its generator, its order), others
+    from a generator of their own."""
+    if tokens not in BENCH_TOKENS:
+        return moe_call_inputs(weights, tokens, torch.Generator(device=DEVICE).manual_seed(100 + tokens))
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    for t in BENCH_TOKENS[:BENCH_TOKENS.index(tokens) + 1]:
+        call = moe_call_inputs(weights, t, gen)
+    return call
+
+
+def profile(copy_gbps: float, points: dict[str, list[int]], variants: list[str],
+            timeline: bool) -> tuple[list[dict], list[str]]:
     rows, failures = [], []
     flush = torch.empty(64 << 20, dtype=torch.int32, device=DEVICE)  # 256 MB, as do_bench's
     for name, shape in MOE_SHAPES.items():
         weights = MoeWeights(shape, with_bf16=False)
-        gen = torch.Generator(device=DEVICE).manual_seed(1)
-        for tokens in BENCH_TOKENS:
-            if tokens > max(token_counts):
-                break
-            x, topk_weights, ids, out, hit, num_bytes = moe_call_inputs(weights, tokens, gen)  # bench's sequence
-            if tokens not in token_counts:
-                continue
+        for tokens in points[name.split()[1].lower()]:
+            x, topk_weights, ids, out, hit, num_bytes = _inputs(weights, tokens)
             row = {"shape": name, "tokens": tokens, "experts_hit": hit, "mb": num_bytes / 1e6}
             ref = moe_reference(x, weights.w13, weights.s13, weights.w2, weights.s2, topk_weights, ids, True)
             base_out = None
-            for label in variants:
-                cfg = VARIANTS[label]
+            pairs = tokens * weights.top_k
+            configs = {label: VARIANTS[label] for label in variants}
+            configs["expert_gemv"] = expert_default(pairs, weights.num_experts, weights.inter)
+            for label, cfg in configs.items():
                 run = lambda cfg=cfg: weights.run(x, topk_weights, ids, True, config=cfg, out=out)  # noqa: E731
                 try:
                     us = time_graph(run) * 1e3
@@ -143,7 +146,7 @@ def profile(copy_gbps: float, token_counts: list[int], variants: list[str]) -> t
                 base_out = got if label == "default" else base_out
                 row[label] = {"us": us, "fraction": num_bytes / us / 1e3 / copy_gbps, "rel_err": err,
                               "diff_vs_default": None if base_out is None else rel_error(got, base_out)}
-                if label == "default":
+                if label == "default" and timeline:
                     row["timeline_pdl"] = _timeline(_graph(run), flush)
                     pdl.set_enabled(False)
                     row["default_no_pdl_us"] = time_graph(run) * 1e3
@@ -152,9 +155,8 @@ def profile(copy_gbps: float, token_counts: list[int], variants: list[str]) -> t
             rows.append(row)
             best = min((v for v in variants if v in row), key=lambda v: row[v]["us"])
             print(f"{name} T={tokens}: default {row['default']['us']:.1f} us ({row['default']['fraction']:.0%}), "
-                  f"no PDL {row['default_no_pdl_us']:.1f}; best {best} {row[best]['us']:.1f}", flush=True)
-            print("   no PDL:", json.dumps(row["timeline_no_pdl"]), flush=True)
-            print("   PDL:   ", json.dumps(row["timeline_pdl"]), flush=True)
+                  f"expert GEMV {row['expert_gemv']['us']:.1f}; best {best} {row[best]['us']:.1f} "
+                  f"({row[best]['fraction']:.0%})", flush=True)
         del weights
         torch.cuda.empty_cache()
     return rows, failures
@@ -173,11 +175,7 @@ def ncu_child(variants: list[str]) -> None:
     calls = []
     for name, tokens in NCU_POINTS:
         weights = MoeWeights(MOE_SHAPES[name], with_bf16=False)
-        gen = torch.Generator(device=DEVICE).manual_seed(1)
-        for t in BENCH_TOKENS:
-            x, topk_weights, ids, out, _, _ = moe_call_inputs(weights, t, gen)
-            if t == tokens:
-                break
+        x, topk_weights, ids, out, _, _ = _inputs(weights, tokens)
         for label in variants:
             cfg = VARIANTS[label]
             weights.run(x, topk_weights, ids, True, config=cfg, out=out)
@@ -203,20 +201,22 @@ def run_ncu(out_dir: Path, variants: list[str]) -> str:
 
 
 def to_markdown(results: dict) -> str:
-    variants = [v for v in VARIANTS if any(v in r for r in results["rows"])]
+    variants = [v for v in list(VARIANTS) + ["expert_gemv"] if any(v in r for r in results["rows"])]
     lines = [f"# W4A4 MoE decode path, profile and variants: {results['device']}", "",
              f"torch {results['torch']}, triton {results['triton']}, {results['date']}, copy "
              f"{results['copy']['gbps']:.0f} GB/s. µs (% of copy).", "",
-             "| shape | T | no PDL | " + " | ".join(variants) + " |", "|---|---:|---:|" + "---:|" * len(variants)]
-    for r in results["rows"]:
-        cells = [f"{r[v]['us']:.1f} ({r[v]['fraction']:.0%})" if v in r else "-" for v in variants]
-        lines.append(f"| {r['shape']} | {r['tokens']} | {r['default_no_pdl_us']:.1f} | " + " | ".join(cells) + " |")
-    lines += ["", "## Timelines of the default launch (µs)", ""]
-    for r in results["rows"]:
-        for key in ("timeline_no_pdl", "timeline_pdl"):
-            t = r[key]
-            lines.append(f"- {r['shape']} T={r['tokens']} {key}: durations {[round(d, 1) for d in t.get('dur_us', [])]}, "
-                         f"gaps {[round(g, 1) for g in t.get('gap_us', [])]}, span {t.get('span_us', 0):.1f}")
+             "| variant | " + " | ".join(f"{r['shape'].split()[1]} T={r['tokens']}" for r in results["rows"]) + " |",
+             "|---|" + "---:|" * len(results["rows"])]
+    for v in variants:
+        cells = [f"{r[v]['us']:.1f} ({r[v]['fraction']:.0%})" if v in r else "-" for r in results["rows"]]
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    timelines = [(r, key) for r in results["rows"] for key in ("timeline_no_pdl", "timeline_pdl") if key in r]
+    if timelines:
+        lines += ["", "## Timelines of the default launch (µs)", ""]
+    for r, key in timelines:
+        t = r[key]
+        lines.append(f"- {r['shape']} T={r['tokens']} {key}: durations {[round(d, 1) for d in t.get('dur_us', [])]}, "
+                     f"gaps {[round(g, 1) for g in t.get('gap_us', [])]}, span {t.get('span_us', 0):.1f}")
     lines += ["", f"Failures: {results['failures'] or 'none'}"]
     return "\n".join(lines) + "\n"
 
@@ -224,7 +224,8 @@ def to_markdown(results: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
-    parser.add_argument("--tokens", default="1,4,16,32")
+    parser.add_argument("--tokens", default="tp8:1,4,16,32;full:1,4,16,32", help="T per shape")
+    parser.add_argument("--timeline", action="store_true", help="torch.profiler timelines of the default launch")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--ncu", action="store_true")
     parser.add_argument("--ncu-variants", default="default")
@@ -237,7 +238,8 @@ def main() -> int:
     copy = measure_copy_bandwidth()
     print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
     variants = ["default"] + [v for v in args.variants.split(",") if v != "default"]
-    rows, failures = profile(copy["gbps"], [int(t) for t in args.tokens.split(",")], variants)
+    points = {shape: [int(t) for t in ts.split(",")] for shape, ts in (p.split(":") for p in args.tokens.split(";"))}
+    rows, failures = profile(copy["gbps"], points, variants, args.timeline)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "date": time.strftime("%Y-%m-%d"), "copy": copy, "rows": rows, "failures": failures}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -89,8 +89,7 @@ class DecodeConfig:
     gate_up_k_lanes: int | None = None  # the most lanes along K (None: up to the row's vectors)
     down_k_lanes: int | None = None
     fuse_h_quant: bool = False  # W4A4: kernel 1 writes h's codes and scales (tiles of whole 32-row blocks)
-    pipeline: bool = False  # W4A4: kernel 1 loads the next K step's weights before the current step's dots
-    prefetch: bool = False  # W4A4 with PDL: the first weights loaded (kernel 2: into L2) before the wait
+    down_maxnreg: int | None = None  # CUDA: kernel 2's register cap (more programs an SM)
 
 
 @triton.jit
@@ -185,25 +184,7 @@ def _int_block_partial(w_ptrs, s_ptrs, x_lo, x_hi, a_scale, valid, PTX_DOT: tl.c
         dots = e2m1_dot_ptx(words, x_lo, x_hi)
     else:
         dots = _e2m1_dot(words, x_lo, x_hi)
-    # the scale loaded after the dots (loaded with the words: 70 registers instead of 64 in sm_90 kernel 1)
     scale = e8m0_to_fp32(tl.load(s_ptrs, mask=valid, other=127))
-    return (tl.sum(dots, axis=3).to(tl.float32) * a_scale) * scale
-
-
-@triton.jit
-def _int_weight_block(w_ptrs, s_ptrs, valid):
-    """The weight words [KL, G, R, 4] and fp32 scales [KL, G, R] of `_int_block_partial`."""
-    words = tl.load(w_ptrs, mask=valid[:, :, :, None], other=0)
-    return words, e8m0_to_fp32(tl.load(s_ptrs, mask=valid, other=127))
-
-
-@triton.jit
-def _int_block_dot(words, scale, x_lo, x_hi, a_scale, PTX_DOT: tl.constexpr):
-    """`_int_block_partial` on weights loaded ahead (`_int_weight_block`)."""
-    if PTX_DOT:
-        dots = e2m1_dot_ptx(words, x_lo, x_hi)
-    else:
-        dots = _e2m1_dot(words, x_lo, x_hi)
     return (tl.sum(dots, axis=3).to(tl.float32) * a_scale) * scale
 
 
@@ -234,11 +215,7 @@ def _tile_offsets(N, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
 # A_INT (W4A4): x / h are MXFP4 codes as int32 words with their scale bytes (`quantize_rows`), the
 # weights int32 words (strides in words), and each block is an integer dot (`_int_block_partial`).
 # FUSE_H_QUANT (W4A4, tiles of whole 32-row blocks): h is written as codes and scale bytes (h_ptr
-# int8, hs_ptr), as quantize_rows(h) would. PIPELINE (W4A4): the next K step's weight words are loaded
-# before the current step's dots. PREFETCH (with PIPELINE): the first step's weights are loaded before
-# the PDL wait, while the kernel before runs: the weights are constant and topk_ids was written at
-# least two launches back (quantize_rows(x) sits between; see _pdl: a kernel lets its dependents
-# launch only after its own wait).
+# int8, hs_ptr), as quantize_rows(h) would, and that launch is saved.
 @triton.jit(do_not_specialize=["stride_sk"])
 def _gate_up_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, hs_ptr, ids_ptr,
@@ -246,12 +223,10 @@ def _gate_up_kernel(
     stride_xm: tl.int64, stride_xsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
     stride_se: tl.int64, stride_sn: tl.int64, stride_hm: tl.int64, stride_hsm: tl.int64,
     TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, H_DTYPE: tl.constexpr,
-    FUSE_H_QUANT: tl.constexpr, PIPELINE: tl.constexpr, PREFETCH: tl.constexpr,
-    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+    FUSE_H_QUANT: tl.constexpr, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if not PREFETCH:
-        wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     expert = tl.where((expert >= 0) & (expert < E), expert, 0)  # in bounds; _down_kernel drops the pair
@@ -267,30 +242,12 @@ def _gate_up_kernel(
         w_up = w_gate + N * stride_wn
         x_words = x_ptr + (pair // TOP_K) * stride_xm + lane[:, :, :, None] * 8 + words
         x_scales = xs_ptr + (pair // TOP_K) * stride_xsm + lane
-        if PIPELINE:
-            w_g, s_g = _int_weight_block(w_gate, s_gate, lane < num_blocks)
-            w_u, s_u = _int_weight_block(w_up, s_up, lane < num_blocks)
-            if PREFETCH:
-                wait_for_previous_kernel(PDL)
-            for j0 in range(0, num_blocks, KL):
-                valid = lane + j0 < num_blocks
-                x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
-                j1 = j0 + KL
-                next_g, next_sg = _int_weight_block(w_gate + j1 * 4, s_gate + j1 * stride_sk, lane + j1 < num_blocks)
-                next_u, next_su = _int_weight_block(w_up + j1 * 4, s_up + j1 * stride_sk, lane + j1 < num_blocks)
-                gate += _int_block_dot(w_g, s_g, x_lo, x_hi, a_scale, PTX_DECODE)
-                up += _int_block_dot(w_u, s_u, x_lo, x_hi, a_scale, PTX_DECODE)
-                w_g, s_g, w_u, s_u = next_g, next_sg, next_u, next_su
-        else:
-            if PREFETCH:
-                wait_for_previous_kernel(PDL)
-            for j0 in range(0, num_blocks, KL):
-                valid = lane + j0 < num_blocks
-                x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
-                gate += _int_block_partial(w_gate + j0 * 4, s_gate + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
-                                           PTX_DECODE)
-                up += _int_block_partial(w_up + j0 * 4, s_up + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
-                                         PTX_DECODE)
+        for j0 in range(0, num_blocks, KL):
+            valid = lane + j0 < num_blocks
+            x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
+            gate += _int_block_partial(w_gate + j0 * 4, s_gate + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
+                                       PTX_DECODE)
+            up += _int_block_partial(w_up + j0 * 4, s_up + j0 * stride_sk, x_lo, x_hi, a_scale, valid, PTX_DECODE)
     else:
         w_gate = w_ptr + expert * stride_we + rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
         w_up = w_gate + N * stride_wn
@@ -308,13 +265,6 @@ def _gate_up_kernel(
     else:
         out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
         tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """CUDA: ask L2 to fetch the line of each pointer (no registers held, nothing waits for it)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -363,17 +313,12 @@ def _down_kernel(
     stride_hm: tl.int64, stride_hsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
     stride_se: tl.int64, stride_sn: tl.int64, stride_om: tl.int64,
     TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, UNROLL_SLOTS: tl.constexpr,
-    PREFETCH: tl.constexpr, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     rows, row_valid, lane, byte, act = _tile_offsets(N, KL, G, R)
-    if PREFETCH:  # CUDA, W4A4: the slots' first weight vectors into L2 while the kernel before runs (see kernel 1)
-        for slot in tl.static_range(TOP_K):
-            expert = tl.load(ids_ptr + token * TOP_K + slot).to(tl.int64)
-            expert = tl.where((expert >= 0) & (expert < E), expert, 0)
-            _prefetch_l2(w_ptr + expert * stride_we + rows * stride_wn + lane * 4)
-    wait_for_previous_kernel(PDL)
     if A_INT:
         act = _int_words(G)
         w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 4 + act
@@ -447,12 +392,11 @@ def fused_moe_mxfp4_decode(
     _check_config(cfg)
     ptx = not IS_HIP and not INTERPRET  # the CUDA weight decode / integer dot in PTX
     kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps, cfg.gate_up_k_lanes)
-    if (cfg.fuse_h_quant or cfg.pipeline or cfg.prefetch) and not quantize_activations:
-        raise ValueError("DecodeConfig: fuse_h_quant, pipeline and prefetch are for MXFP4 activations (W4A4)")
+    if cfg.fuse_h_quant and not quantize_activations:
+        raise ValueError("DecodeConfig.fuse_h_quant is for MXFP4 activations (W4A4)")
     if cfg.fuse_h_quant and (g * r) % MX_BLOCK:
         raise ValueError(f"DecodeConfig.fuse_h_quant needs kernel 1 tiles of whole {MX_BLOCK}-row blocks, "
                          f"got {g * r} rows (gate_up_rows x lanes / k lanes)")
-    prefetch = cfg.prefetch and ptx  # the L2 prefetch is PTX; loading before the wait needs a kernel between
     pairs = num_tokens * top_k
     if cfg.fuse_h_quant:  # h's codes and scales straight from kernel 1
         h = torch.empty(pairs, inter, dtype=torch.int8, device=x.device)
@@ -469,8 +413,7 @@ def fused_moe_mxfp4_decode(
         x_in, x_scales, w13, w13_scale, h, h_scales, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
         x_in.stride(0), x_scales.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         h.stride(0), h_scales.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations,
-        H_DTYPE=_TL_DTYPE[x.dtype], FUSE_H_QUANT=cfg.fuse_h_quant, PIPELINE=cfg.pipeline,
-        PREFETCH=cfg.prefetch and cfg.pipeline, KL=kl, G=g, R=r, num_warps=cfg.gate_up_warps,
+        H_DTYPE=_TL_DTYPE[x.dtype], FUSE_H_QUANT=cfg.fuse_h_quant, KL=kl, G=g, R=r, num_warps=cfg.gate_up_warps,
         **pdl.launch_args(x.device),
     )
     if quantize_activations and not cfg.fuse_h_quant:
@@ -482,9 +425,14 @@ def fused_moe_mxfp4_decode(
         h, h_scales, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
         h.stride(0), h_scales.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         out.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, UNROLL_SLOTS=not IS_HIP,
-        PREFETCH=prefetch, KL=kl, G=g, R=r, num_warps=cfg.down_warps, **pdl.launch_args(x.device),
+        KL=kl, G=g, R=r, num_warps=cfg.down_warps, **_maxnreg(cfg.down_maxnreg), **pdl.launch_args(x.device),
     )
     return out
+
+
+def _maxnreg(cap: int | None) -> dict[str, int]:
+    """The launch option capping registers (CUDA; ROCm and the interpreter have none)."""
+    return {"maxnreg": cap} if cap and not IS_HIP and not INTERPRET else {}
 
 
 def _words(w: torch.Tensor, name: str) -> torch.Tensor:

@@ -298,26 +298,20 @@ def test_moe_decode_rocm_tiles(quantize, monkeypatch):
     _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
 
 
-W4A4_VARIANTS = {  # hidden 36 blocks: with 8 lanes along K, 5 steps, the last partly masked
-    "fused h quant": DecodeConfig(gate_up_rows=2, gate_up_warps=1, gate_up_k_lanes=2, fuse_h_quant=True),
-    "pipelined, prefetch": DecodeConfig(gate_up_warps=1, gate_up_k_lanes=8, pipeline=True, prefetch=True),
-    "fused + pipelined": DecodeConfig(gate_up_rows=4, gate_up_warps=1, gate_up_k_lanes=4, fuse_h_quant=True,
-                                      pipeline=True, down_k_lanes=2),
-}
-
-
-@pytest.mark.parametrize("name", list(W4A4_VARIANTS))
-def test_moe_decode_w4a4_variants(name):
-    """Kernel 1 writing h's codes itself (tiles of 32 rows), the pipelined K loop: against the
-    reference, and bit for bit the same tiles without them (quantize_rows(h), the plain loop)."""
-    config = W4A4_VARIANTS[name]
+@pytest.mark.parametrize("tile", [dict(gate_up_warps=1, gate_up_k_lanes=2), dict(gate_up_rows=4, gate_up_warps=1,
+                                                                                   gate_up_k_lanes=4, down_k_lanes=2)],
+                         ids=["2 rows, 16 groups", "4 rows, 8 groups"])
+def test_moe_decode_kernel_1_writes_h_codes(tile):
+    """fuse_h_quant (tiles of 32 rows, hidden of 36 blocks: several K steps, the last partly
+    masked): against the reference, and bit for bit the same tiles with quantize_rows(h)."""
+    config = DecodeConfig(**tile, fuse_h_quant=True)
     g = torch.Generator().manual_seed(34)
     x, w13, s13, w2, s2, weights, ids = _moe_case(3, 3, g, hot=3, hidden=36 * 32, inter=96)
     ids[2, 1] = EXPERTS  # out of range: adds nothing
     out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, out=nan_like(x), config=config)
     _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, True))
-    plain = dataclasses.replace(config, fuse_h_quant=False, pipeline=False, prefetch=False)
-    assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=plain))
+    apart = dataclasses.replace(config, fuse_h_quant=False)
+    assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=apart))
 
 
 def test_moe_decode_bfloat16():
@@ -338,6 +332,6 @@ def test_moe_decode_rejects_bad_config():
     with pytest.raises(ValueError, match="down_warps"):
         fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=DecodeConfig(down_warps=16))
     with pytest.raises(ValueError, match="W4A4"):
-        fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=DecodeConfig(pipeline=True))
+        fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=DecodeConfig(fuse_h_quant=True))
     with pytest.raises(ValueError, match="32-row blocks"):
         fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=DecodeConfig(gate_up_rows=1, gate_up_warps=1, fuse_h_quant=True))

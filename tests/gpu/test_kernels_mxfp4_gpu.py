@@ -130,22 +130,21 @@ def test_moe_decode_path_matches_grouped_path(num_tokens, quantize):
     assert_rel_close(decode, grouped)
 
 
-DECODE_W4A4_VARIANTS = {
-    "fused_h_quant": DecodeConfig(gate_up_k_lanes=8, fuse_h_quant=True),
-    "pipelined_prefetch": DecodeConfig(pipeline=True, prefetch=True),
-    "fused_pipelined_prefetch": DecodeConfig(gate_up_k_lanes=8, fuse_h_quant=True, pipeline=True, prefetch=True),
+DECODE_W4A4_TILES = {
+    "4_warps_32_rows": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=16, fuse_h_quant=True, down_maxnreg=72),
+    "8_warps_32_rows": DecodeConfig(gate_up_rows=4, gate_up_warps=8, gate_up_k_lanes=32, fuse_h_quant=True,
+                                    down_rows=4),
 }
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4, 32])
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
-@pytest.mark.parametrize("name", list(DECODE_W4A4_VARIANTS))
-def test_moe_decode_w4a4_variants_compiled(name, shape, num_tokens):
-    """The decode path's W4A4 options, compiled (PDL, the PTX dots and L2 prefetch): against the
-    fp32 reference, and bit for bit the same tiles without them (quantize_rows(h), the plain loop,
-    no prefetch), graph-replayed with new routing."""
-    config = DECODE_W4A4_VARIANTS[name]
-    plain = dataclasses.replace(config, fuse_h_quant=False, pipeline=False, prefetch=False)
+@pytest.mark.parametrize("name", list(DECODE_W4A4_TILES))
+def test_moe_decode_kernel_1_writes_h_codes_compiled(name, shape, num_tokens):
+    """The decode path with h quantized by kernel 1 (fuse_h_quant; kernel 2 under a register cap or
+    with 4 rows a lane), compiled, graph-replayed with new routing: against the fp32 reference, and bit
+    for bit the same tiles with quantize_rows(h)."""
+    config = DECODE_W4A4_TILES[name]
     x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=15)
     graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=config))
     for seed in (16, 17):
@@ -154,7 +153,8 @@ def test_moe_decode_w4a4_variants_compiled(name, shape, num_tokens):
         ids.copy_(new_ids)
         graph.replay()
         assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, True))
-        assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=plain))
+        apart = dataclasses.replace(config, fuse_h_quant=False)
+        assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=apart))
 
 
 def test_moe_decode_e8m0_bytes_0_and_254_compiled():
