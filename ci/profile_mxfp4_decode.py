@@ -133,7 +133,7 @@ def profile(copy_gbps: float, points: dict[str, list[int]], variants: list[str],
             configs = {label: VARIANTS[label] for label in variants}
             configs["expert_gemv"] = expert_default(pairs, weights.num_experts, weights.inter)
             for label, cfg in configs.items():
-                run = lambda cfg=cfg: weights.run(x, topk_weights, ids, True, config=cfg, out=out)  # noqa: E731
+                run = lambda cfg=cfg, w=weights: w.run(x, topk_weights, ids, True, config=cfg, out=out)  # noqa: E731
                 try:
                     us = time_graph(run) * 1e3
                 except Exception as exc:  # a launch the compiler rejects: report, go on
