@@ -18,6 +18,7 @@ Writes profile_mxfp4_decode.json / .md (and ncu.csv) to DIR (default $OUT or ./b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -43,19 +44,30 @@ from bench_mxfp4 import (  # noqa: E402
 from bench_mxfp4_expert_gemv import TOKENS as BENCH_TOKENS  # noqa: E402
 from kernels_rocm import _pdl as pdl  # noqa: E402
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig  # noqa: E402
+from kernels_rocm.mxfp4_moe_decode import default_config as decode_default  # noqa: E402
 from kernels_rocm.mxfp4_moe_expert_gemv import default_config as expert_default  # noqa: E402
 
 OURS = ("_quantize_rows_kernel", "_gate_up_kernel", "_down_kernel")
-GATE_UP = {  # kernel 1 launch shapes (fu: h quantized by kernel 1, tiles of 32 rows)
-    "g0": {},
-    "g_r4w2": dict(gate_up_rows=4, gate_up_warps=2),
-    "g_kl32r4": dict(gate_up_rows=4, gate_up_k_lanes=32),
-    "fu_kl16r4": dict(gate_up_rows=4, gate_up_k_lanes=16, fuse_h_quant=True),
-    "fu_w8kl32r4": dict(gate_up_rows=4, gate_up_warps=8, gate_up_k_lanes=32, fuse_h_quant=True),
+# Variants: changes to the launch shape the dispatch picks at each T (mxfp4_moe_decode.default_config);
+# "auto" is that shape, "before" the one fused_moe_mxfp4 took before it (DecodeConfig()).
+TILE_16 = dict(gate_up_rows=4, gate_up_warps=4, gate_up_k_lanes=32)
+VARIANTS = {
+    "auto": {}, "before": None,
+    "d_ahead2": dict(down_ahead=2), "d_ahead4": dict(down_ahead=4),
+    "d_r2": dict(down_rows=2), "d_r2_ahead4": dict(down_rows=2, down_ahead=4), "d_r2_ahead8": dict(down_rows=2, down_ahead=8),
+    "g_2rows": dict(gate_up_rows=2, gate_up_warps=4, gate_up_k_lanes=None),
+    "g_2warps": dict(gate_up_rows=4, gate_up_warps=2, gate_up_k_lanes=None),
+    "g_16rows": TILE_16,
+    "g_32rows_h_codes": dict(gate_up_rows=4, gate_up_warps=4, gate_up_k_lanes=16, fuse_h_quant=True),
 }
-DOWN = {"d0": {}, "d_reg72": dict(down_maxnreg=72), "d_r4": dict(down_rows=4)}
-VARIANTS = {"default": DecodeConfig()} | {
-    f"{g}+{d}": DecodeConfig(**GATE_UP[g], **DOWN[d]) for g in GATE_UP for d in DOWN if (g, d) != ("g0", "d0")}
+
+
+def _variant(label: str, tokens: int, weights: MoeWeights) -> DecodeConfig:
+    change = VARIANTS[label]
+    if change is None:
+        return DecodeConfig()
+    auto = decode_default(tokens, weights.top_k, weights.hidden, weights.inter, True, torch.device(DEVICE))
+    return dataclasses.replace(auto, **change)
 
 
 def _timeline(graph: torch.cuda.CUDAGraph, flush: torch.Tensor, replays: int = 12) -> dict:
@@ -118,8 +130,9 @@ def _inputs(weights: MoeWeights, tokens: int):
     return call
 
 
-def profile(copy_gbps: float, points: dict[str, list[int]], variants: list[str],
-            timeline: bool) -> tuple[list[dict], list[str]]:
+def profile(copy_gbps: float, points: dict[str, list[int]], variants: list[str], timeline: bool,
+            save) -> tuple[list[dict], list[str]]:
+    """Rows and failures; `save(rows, failures)` after every row (a run cut short keeps them)."""
     rows, failures = [], []
     flush = torch.empty(64 << 20, dtype=torch.int32, device=DEVICE)  # 256 MB, as do_bench's
     for name, shape in MOE_SHAPES.items():
@@ -130,7 +143,7 @@ def profile(copy_gbps: float, points: dict[str, list[int]], variants: list[str],
             ref = moe_reference(x, weights.w13, weights.s13, weights.w2, weights.s2, topk_weights, ids, True)
             base_out = None
             pairs = tokens * weights.top_k
-            configs = {label: VARIANTS[label] for label in variants}
+            configs = {label: _variant(label, tokens, weights) for label in variants}
             configs["expert_gemv"] = expert_default(pairs, weights.num_experts, weights.inter)
             for label, cfg in configs.items():
                 run = lambda cfg=cfg, w=weights: w.run(x, topk_weights, ids, True, config=cfg, out=out)  # noqa: E731
@@ -143,18 +156,20 @@ def profile(copy_gbps: float, points: dict[str, list[int]], variants: list[str],
                 err = rel_error(got, ref)
                 if not err <= REL_TOL:
                     failures.append(f"{name} T={tokens} {label} rel err {err:.2e}")
-                base_out = got if label == "default" else base_out
+                base_out = got if label == "auto" else base_out
                 row[label] = {"us": us, "fraction": num_bytes / us / 1e3 / copy_gbps, "rel_err": err,
                               "diff_vs_default": None if base_out is None else rel_error(got, base_out)}
-                if label == "default" and timeline:
+                row[label]["config"] = str(cfg)
+                if label == "auto" and timeline:
                     row["timeline_pdl"] = _timeline(_graph(run), flush)
                     pdl.set_enabled(False)
                     row["default_no_pdl_us"] = time_graph(run) * 1e3
                     row["timeline_no_pdl"] = _timeline(_graph(run), flush)
                     pdl.set_enabled(True)
             rows.append(row)
+            save(rows, failures)
             best = min((v for v in variants if v in row), key=lambda v: row[v]["us"])
-            print(f"{name} T={tokens}: default {row['default']['us']:.1f} us ({row['default']['fraction']:.0%}), "
+            print(f"{name} T={tokens}: auto {row['auto']['us']:.1f} us ({row['auto']['fraction']:.0%}), "
                   f"expert GEMV {row['expert_gemv']['us']:.1f}; best {best} {row[best]['us']:.1f} "
                   f"({row[best]['fraction']:.0%})", flush=True)
         del weights
@@ -177,7 +192,7 @@ def ncu_child(variants: list[str]) -> None:
         weights = MoeWeights(MOE_SHAPES[name], with_bf16=False)
         x, topk_weights, ids, out, _, _ = _inputs(weights, tokens)
         for label in variants:
-            cfg = VARIANTS[label]
+            cfg = _variant(label, tokens, weights)
             weights.run(x, topk_weights, ids, True, config=cfg, out=out)
             calls.append((weights, x, topk_weights, ids, out, cfg))
     torch.cuda.synchronize()
@@ -228,7 +243,7 @@ def main() -> int:
     parser.add_argument("--timeline", action="store_true", help="torch.profiler timelines of the default launch")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--ncu", action="store_true")
-    parser.add_argument("--ncu-variants", default="default")
+    parser.add_argument("--ncu-variants", default="auto")
     parser.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ncu_child:
@@ -237,19 +252,23 @@ def main() -> int:
     start = time.time()
     copy = measure_copy_bandwidth()
     print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
-    variants = ["default"] + [v for v in args.variants.split(",") if v != "default"]
+    variants = ["auto"] + [v for v in args.variants.split(",") if v != "auto"]
     points = {shape: [int(t) for t in ts.split(",")] for shape, ts in (p.split(":") for p in args.tokens.split(";"))}
-    rows, failures = profile(copy["gbps"], points, variants, args.timeline)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "date": time.strftime("%Y-%m-%d"), "copy": copy, "rows": rows, "failures": failures}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "profile_mxfp4_decode.json").write_text(json.dumps(results, indent=2))
-    (args.out / "profile_mxfp4_decode.md").write_text(to_markdown(results))
+
+    def save(rows: list[dict], failures: list[str]) -> dict:
+        results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "date": time.strftime("%Y-%m-%d"), "copy": copy, "rows": rows, "failures": failures}
+        (args.out / "profile_mxfp4_decode.json").write_text(json.dumps(results, indent=2))
+        (args.out / "profile_mxfp4_decode.md").write_text(to_markdown(results))
+        return results
+
+    results = save(*profile(copy["gbps"], points, variants, args.timeline, save))
     print(to_markdown(results), flush=True)
     if args.ncu:
         print("ncu:", run_ncu(args.out, args.ncu_variants.split(",")), flush=True)
     print(f"{time.time() - start:.0f} s")
-    return 1 if failures else 0
+    return 1 if results["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from kernels_rocm._mxfp4 import (
 )
 from kernels_rocm import _pdl as pdl
 from kernels_rocm._pdl import wait_for_previous_kernel
-from kernels_rocm._util import INTERPRET, IS_HIP
+from kernels_rocm._util import INTERPRET, IS_HIP, num_compute_units
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # h's dtype, x's
 
@@ -89,7 +89,7 @@ class DecodeConfig:
     gate_up_k_lanes: int | None = None  # the most lanes along K (None: up to the row's vectors)
     down_k_lanes: int | None = None
     fuse_h_quant: bool = False  # W4A4: kernel 1 writes h's codes and scales (tiles of whole 32-row blocks)
-    down_maxnreg: int | None = None  # CUDA: kernel 2's register cap (more programs an SM)
+    down_ahead: int = 0  # W4A4 on CUDA: kernel 2 issues each slot's loads this many slots ahead (0: in turn)
 
 
 @triton.jit
@@ -179,13 +179,20 @@ def _int_block_partial(w_ptrs, s_ptrs, x_lo, x_hi, a_scale, valid, PTX_DOT: tl.c
     Every product of two E2M1 values times a power of two is exact in fp32, and so is their sum
     over a block: (dot * a_scale) * w_scale is the fp32 value the dequantized path sums, bit for
     bit."""
-    words = tl.load(w_ptrs, mask=valid[:, :, :, None], other=0)
+    dots = _int_dots(tl.load(w_ptrs, mask=valid[:, :, :, None], other=0), x_lo, x_hi, PTX_DOT)
+    scale = e8m0_to_fp32(tl.load(s_ptrs, mask=valid, other=127))  # after the dots: fewer registers in kernel 1
+    return (dots.to(tl.float32) * a_scale) * scale
+
+
+@triton.jit
+def _int_dots(words, x_lo, x_hi, PTX_DOT: tl.constexpr):
+    """Each (lane, row)'s exact int32 block dot [KL, G, R] of weight words [KL, G, R, 4] (see
+    `_int_block_partial`)."""
     if PTX_DOT:
         dots = e2m1_dot_ptx(words, x_lo, x_hi)
     else:
         dots = _e2m1_dot(words, x_lo, x_hi)
-    scale = e8m0_to_fp32(tl.load(s_ptrs, mask=valid, other=127))
-    return (tl.sum(dots, axis=3).to(tl.float32) * a_scale) * scale
+    return tl.sum(dots, axis=3)
 
 
 @triton.jit
@@ -277,10 +284,12 @@ def _int_words(G: tl.constexpr):
 @triton.jit
 def _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, pair, E, K, stride_sk,
                   stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act,
-                  PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, KL: tl.constexpr, G: tl.constexpr,
-                  R: tl.constexpr):
+                  PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, K_STEPS: tl.constexpr, KL: tl.constexpr,
+                  G: tl.constexpr, R: tl.constexpr):
     """One (token, slot) pair's routing weight times its per-lane partial sums [KL, G, R] (w_tile
-    in words with A_INT, act then `_int_words`)."""
+    in words with A_INT, act then `_int_words`). The K_STEPS steps along K are unrolled: the code of
+    all slots is one basic block, so the compiler can issue every slot's loads before the first
+    slot's dots (with a loop per slot each slot's loads waited for the slot before)."""
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     known = (expert >= 0) & (expert < E)  # as in the grouped path, an id out of range adds nothing
     expert = tl.where(known, expert, 0)
@@ -289,7 +298,8 @@ def _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, pair, 
     if A_INT:
         h_words = h_ptr + pair * stride_hm + lane[:, :, :, None] * 8 + act
         h_scales = hs_ptr + pair * stride_hsm + lane
-        for j0 in range(0, num_blocks, KL):
+        for step in tl.static_range(K_STEPS):
+            j0 = step * KL
             valid = (lane + j0 < num_blocks) & known
             x_lo, x_hi, a_scale = _int_activation_block(h_words + j0 * 8, h_scales + j0, valid)
             part += _int_block_partial(w_ptr + expert * stride_we + w_tile + j0 * 4,
@@ -297,13 +307,60 @@ def _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, pair, 
                                        valid, PTX_DECODE)
     else:
         a_ptrs = h_ptr + pair * stride_hm + lane[:, :, :, None] * 32 + act
-        for j0 in range(0, num_blocks, KL):
+        for step in tl.static_range(K_STEPS):
+            j0 = step * KL
             valid = (lane + j0 < num_blocks) & known
             a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, KL, G)
             part += _block_partial(w_ptr + expert * stride_we + w_tile + j0 * 16,
                                    s_ptr + expert * stride_se + s_tile + j0 * stride_sk, a_even, a_odd, valid,
                                    PTX_DECODE)
     return part * tl.load(topk_weights_ptr + pair)
+
+
+@triton.jit
+def _int_unit_load(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, pair, j0, E, num_blocks, stride_sk,
+                   stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, words):
+    """What kernel 2 reads for one (pair, K step) with MXFP4 activations: (weight words, scale bytes,
+    activation codes x_lo / x_hi and scale / 4, routing weight); an id out of range reads nothing."""
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    known = (expert >= 0) & (expert < E)
+    expert = tl.where(known, expert, 0)
+    valid = (lane + j0 < num_blocks) & known
+    x_lo, x_hi, a_scale = _int_activation_block(h_ptr + pair * stride_hm + lane[:, :, :, None] * 8 + words + j0 * 8,
+                                                hs_ptr + pair * stride_hsm + lane + j0, valid)
+    w = tl.load(w_ptr + expert * stride_we + w_tile + j0 * 4, mask=valid[:, :, :, None], other=0)
+    s = tl.load(s_ptr + expert * stride_se + s_tile + j0 * stride_sk, mask=valid, other=127)
+    return w, s, x_lo, x_hi, a_scale, tl.load(topk_weights_ptr + pair)
+
+
+@triton.jit
+def _int_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E, K, stride_sk, stride_hm, stride_hsm,
+               stride_we, stride_se, w_tile, s_tile, lane, words, PTX_DOT: tl.constexpr, TOP_K: tl.constexpr,
+               K_STEPS: tl.constexpr, AHEAD: tl.constexpr, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
+    """Kernel 2's sum over a token's slots with MXFP4 activations (CUDA): what `_slot_partial` adds up,
+    in the same order, with the loads of each (slot, K step) unit issued AHEAD units before its dots
+    (1 <= AHEAD <= TOP_K * K_STEPS), so that several slots' weights are in flight at once."""
+    num_blocks = K // 32
+    UNITS: tl.constexpr = TOP_K * K_STEPS
+    loaded = ()
+    for u in tl.static_range(AHEAD):
+        loaded = loaded + (_int_unit_load(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr,
+                                          token * TOP_K + u // K_STEPS, (u % K_STEPS) * KL, E, num_blocks, stride_sk,
+                                          stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, words),)
+    acc = tl.zeros([KL, G, R], dtype=tl.float32)
+    part = tl.zeros([KL, G, R], dtype=tl.float32)
+    for u in tl.static_range(UNITS):
+        if u + AHEAD < UNITS:
+            loaded = loaded + (_int_unit_load(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr,
+                                              token * TOP_K + (u + AHEAD) // K_STEPS, ((u + AHEAD) % K_STEPS) * KL, E,
+                                              num_blocks, stride_sk, stride_hm, stride_hsm, stride_we, stride_se,
+                                              w_tile, s_tile, lane, words),)
+        w, s, x_lo, x_hi, a_scale, weight = loaded[u]
+        part += (_int_dots(w, x_lo, x_hi, PTX_DOT).to(tl.float32) * a_scale) * e8m0_to_fp32(s)
+        if u % K_STEPS == K_STEPS - 1:
+            acc += part * weight
+            part = tl.zeros([KL, G, R], dtype=tl.float32)
+    return acc
 
 
 @triton.jit(do_not_specialize=["stride_sk"])
@@ -313,7 +370,7 @@ def _down_kernel(
     stride_hm: tl.int64, stride_hsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
     stride_se: tl.int64, stride_sn: tl.int64, stride_om: tl.int64,
     TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, UNROLL_SLOTS: tl.constexpr,
-    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+    K_STEPS: tl.constexpr, AHEAD: tl.constexpr, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -326,16 +383,20 @@ def _down_kernel(
         w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
     s_tile = rows * stride_sn + lane * stride_sk
     acc = tl.zeros([KL, G, R], dtype=tl.float32)
-    if UNROLL_SLOTS:  # the K slots' loads in flight together (a short I is one step a slot)
+    if AHEAD:  # W4A4 on CUDA
+        acc = _int_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E, K, stride_sk, stride_hm,
+                         stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act, PTX_DECODE, TOP_K, K_STEPS, AHEAD,
+                         KL, G, R)
+    elif UNROLL_SLOTS:  # the K slots' code in one basic block (a short I is one step a slot)
         for slot in tl.static_range(TOP_K):
             acc += _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token * TOP_K + slot, E, K,
                                  stride_sk, stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act,
-                                 PTX_DECODE, A_INT, KL, G, R)
+                                 PTX_DECODE, A_INT, K_STEPS, KL, G, R)
     else:
         for slot in range(TOP_K):
             acc += _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token * TOP_K + slot, E, K,
                                  stride_sk, stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act,
-                                 PTX_DECODE, A_INT, KL, G, R)
+                                 PTX_DECODE, A_INT, K_STEPS, KL, G, R)
     out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
     tl.store(out_ptr + token * stride_om + out_rows, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=row_valid)
 
@@ -356,6 +417,29 @@ def quantize_rows(x: torch.Tensor, mma_layout: bool = False) -> tuple[torch.Tens
             x, codes, scales, x.stride(0), codes.stride(0), scales.stride(0), width, BLOCK=block,
             MMA_LAYOUT=mma_layout, num_warps=4, **pdl.launch_args(x.device))
     return codes, scales
+
+
+def default_config(num_tokens: int, top_k: int, hidden: int, inter: int, quantize_activations: bool,
+                   device: torch.device) -> DecodeConfig:
+    """The launch shape `fused_moe_mxfp4_decode` takes without a config. W4A4 on NVIDIA, by how many
+    programs each tile gives (ci/profile_mxfp4_decode.py, H100, docs/benchmarks.md section 6): kernel 1
+    with 4 rows a lane over 32 lanes along K (16 rows a program, 105 registers, 7 full K steps over
+    H = 7168) once that gives 3 programs an SM; else 4 rows over 64 lanes on 2 warps once that gives 6;
+    else the default's 2 rows (a TP8 rank at T = 1: 1,024 programs). Kernel 2 with 4 rows a lane
+    once that leaves a program an SM. Elsewhere (W4A16, ROCm: not measured there) DecodeConfig()."""
+    if not quantize_activations or IS_HIP:
+        return DecodeConfig()
+    sms = num_compute_units(device)
+    rows = num_tokens * top_k * inter  # intermediate rows over all pairs
+    if rows >= 16 * 3 * sms:
+        gate_up = dict(gate_up_rows=4, gate_up_k_lanes=32)
+    elif rows >= 4 * 6 * sms:
+        gate_up = dict(gate_up_rows=4, gate_up_warps=2)
+    else:
+        gate_up = {}
+    down_lanes, _, _ = _tile(inter, 4, DecodeConfig.down_warps)
+    wide_down = num_tokens * hidden >= sms * (32 * DecodeConfig.down_warps // down_lanes) * 4
+    return DecodeConfig(**gate_up, down_rows=4 if wide_down else 2)
 
 
 def _tile(k: int, rows: int, warps: int, k_lanes: int | None = None) -> tuple[int, int, int]:
@@ -388,7 +472,7 @@ def fused_moe_mxfp4_decode(
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
-    cfg = config or DecodeConfig()
+    cfg = config or default_config(num_tokens, top_k, hidden, inter, quantize_activations, x.device)
     _check_config(cfg)
     ptx = not IS_HIP and not INTERPRET  # the CUDA weight decode / integer dot in PTX
     kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps, cfg.gate_up_k_lanes)
@@ -421,18 +505,15 @@ def fused_moe_mxfp4_decode(
     if quantize_activations:
         h = h.view(torch.int32)
     kl, g, r = _tile(inter, cfg.down_rows, cfg.down_warps, cfg.down_k_lanes)
+    k_steps = triton.cdiv(inter // MX_BLOCK, kl)
     _down_kernel[(num_tokens, triton.cdiv(hidden, g * r))](
         h, h_scales, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
         h.stride(0), h_scales.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         out.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, UNROLL_SLOTS=not IS_HIP,
-        KL=kl, G=g, R=r, num_warps=cfg.down_warps, **_maxnreg(cfg.down_maxnreg), **pdl.launch_args(x.device),
+        K_STEPS=k_steps, AHEAD=min(cfg.down_ahead, top_k * k_steps) if quantize_activations and not IS_HIP else 0,
+        KL=kl, G=g, R=r, num_warps=cfg.down_warps, **pdl.launch_args(x.device),
     )
     return out
-
-
-def _maxnreg(cap: int | None) -> dict[str, int]:
-    """The launch option capping registers (CUDA; ROCm and the interpreter have none)."""
-    return {"maxnreg": cap} if cap and not IS_HIP and not INTERPRET else {}
 
 
 def _words(w: torch.Tensor, name: str) -> torch.Tensor:

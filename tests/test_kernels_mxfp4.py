@@ -9,6 +9,8 @@ rounding is involved (the QDQ itself) the comparison is exact. About 1-3 s per M
 from __future__ import annotations
 
 import dataclasses
+import functools
+import unittest.mock
 
 import pytest
 import torch
@@ -312,6 +314,37 @@ def test_moe_decode_kernel_1_writes_h_codes(tile):
     _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, True))
     apart = dataclasses.replace(config, fuse_h_quant=False)
     assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=apart))
+
+
+@pytest.mark.parametrize("ahead", [1, 3, 12], ids=lambda a: f"ahead{a}")
+def test_moe_decode_kernel_2_loads_ahead(ahead):
+    """Kernel 2 issuing each (slot, K step)'s loads `ahead` units early (W4A4; 2 lanes along I = 3
+    blocks: 2 K steps a slot, the second half masked; 12 = all units): against the reference, and bit
+    for bit the loads in turn (the same sums in the same order)."""
+    config = DecodeConfig(down_warps=1, down_k_lanes=2, down_ahead=ahead)
+    g = torch.Generator().manual_seed(35)
+    x, w13, s13, w2, s2, weights, ids = _moe_case(3, 3, g, hot=4)
+    ids[1, 2] = -1  # out of range: adds nothing
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, out=nan_like(x), config=config)
+    _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, True))
+    in_turn = dataclasses.replace(config, down_ahead=0)
+    assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=in_turn))
+
+
+def test_moe_decode_default_config_by_token_count():
+    """The W4A4 launch shapes by program count (a device of 132 SMs): 2 rows a lane at a TP8 rank's
+    T = 1, 4 rows on 2 warps at T = 2, 16-row tiles from T = 4 and at full width; kernel 2 with 4
+    rows once that leaves a program an SM; W4A16 keeps DecodeConfig()."""
+    device = torch.device("cpu")
+    with unittest.mock.patch.object(mxfp4_moe_decode, "num_compute_units", lambda _: 132):
+        pick = functools.partial(mxfp4_moe_decode.default_config, top_k=8, hidden=7168, device=device)
+        assert pick(1, inter=256, quantize_activations=True) == DecodeConfig()
+        assert pick(2, inter=256, quantize_activations=True) == DecodeConfig(gate_up_rows=4, gate_up_warps=2,
+                                                                               down_rows=4)
+        tiles = DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4)
+        assert pick(4, inter=256, quantize_activations=True) == tiles
+        assert pick(1, inter=2048, quantize_activations=True) == tiles
+        assert pick(4, inter=256, quantize_activations=False) == DecodeConfig()
 
 
 def test_moe_decode_bfloat16():

@@ -131,9 +131,9 @@ def test_moe_decode_path_matches_grouped_path(num_tokens, quantize):
 
 
 DECODE_W4A4_TILES = {
-    "4_warps_32_rows": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=16, fuse_h_quant=True, down_maxnreg=72),
-    "8_warps_32_rows": DecodeConfig(gate_up_rows=4, gate_up_warps=8, gate_up_k_lanes=32, fuse_h_quant=True,
-                                    down_rows=4),
+    "4_warps_32_rows_ahead_4": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=16, fuse_h_quant=True, down_ahead=4),
+    "8_warps_32_rows_ahead_8": DecodeConfig(gate_up_rows=4, gate_up_warps=8, gate_up_k_lanes=32, fuse_h_quant=True,
+                                            down_rows=4, down_ahead=8),
 }
 
 
@@ -141,9 +141,9 @@ DECODE_W4A4_TILES = {
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
 @pytest.mark.parametrize("name", list(DECODE_W4A4_TILES))
 def test_moe_decode_kernel_1_writes_h_codes_compiled(name, shape, num_tokens):
-    """The decode path with h quantized by kernel 1 (fuse_h_quant; kernel 2 under a register cap or
-    with 4 rows a lane), compiled, graph-replayed with new routing: against the fp32 reference, and bit
-    for bit the same tiles with quantize_rows(h)."""
+    """The decode path with h quantized by kernel 1 (fuse_h_quant) and kernel 2 loading slots ahead
+    (down_ahead), compiled, graph-replayed with new routing: against the fp32 reference, and bit for bit
+    the same tiles with quantize_rows(h) and the loads in turn."""
     config = DECODE_W4A4_TILES[name]
     x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=15)
     graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=config))
@@ -153,7 +153,7 @@ def test_moe_decode_kernel_1_writes_h_codes_compiled(name, shape, num_tokens):
         ids.copy_(new_ids)
         graph.replay()
         assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, True))
-        apart = dataclasses.replace(config, fuse_h_quant=False)
+        apart = dataclasses.replace(config, fuse_h_quant=False, down_ahead=0)
         assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=apart))
 
 
