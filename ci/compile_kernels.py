@@ -212,8 +212,10 @@ CASES: dict[str, Callable[[str], None]] = {
     "MXFP4 MoE decode Kimi TP8 T4 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 4, True, decode=True),
     "MXFP4 MoE decode Kimi E384 I2048 T1 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 2048, 1, True, decode=True),
     # the W4A4 launch shapes mxfp4_moe_decode.default_config picks on NVIDIA
+    "MXFP4 MoE decode Kimi TP8 T1 w4a4 loads ahead": lambda _: _mxfp4_moe(
+        384, 8, 7168, 256, 1, True, decode=_decode_config(down_ahead=4)),
     "MXFP4 MoE decode Kimi TP8 T2 w4a4 2-warp tiles": lambda _: _mxfp4_moe(
-        384, 8, 7168, 256, 2, True, decode=_decode_config(gate_up_rows=4, gate_up_warps=2, down_rows=4)),
+        384, 8, 7168, 256, 2, True, decode=_decode_config(gate_up_rows=4, gate_up_warps=2, down_ahead=4)),
     "MXFP4 MoE decode Kimi TP8 T16 w4a4 16-row tiles": lambda _: _mxfp4_moe(
         384, 8, 7168, 256, 16, True, decode=_decode_config(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4)),
     "MXFP4 MoE decode Kimi E384 I2048 T1 w4a4 16-row tiles": lambda _: _mxfp4_moe(

@@ -58,7 +58,6 @@ VARIANTS = {
     "g_2rows": dict(gate_up_rows=2, gate_up_warps=4, gate_up_k_lanes=None),
     "g_2warps": dict(gate_up_rows=4, gate_up_warps=2, gate_up_k_lanes=None),
     "g_16rows": TILE_16,
-    "g_32rows_h_codes": dict(gate_up_rows=4, gate_up_warps=4, gate_up_k_lanes=16, fuse_h_quant=True),
 }
 
 

@@ -22,8 +22,11 @@ sum and a top-k sum around its two GEMMs (five launches; docs/benchmarks.md sect
    the token's K slots, each slot's sum times its routing weight added to one fp32 accumulator:
    the top-k sum needs no extra launch and no atomics; out written once (the grouped path
    rounds each slot's partial to x's dtype before its sum: here only the total is). The slot
-   loop is unrolled on NVIDIA so that all slots' loads are in flight at once; not on ROCm,
-   where the unrolled W4A4 kernel spills VGPRs on gfx942/gfx950 (ci/compile_kernels.py).
+   loop and each slot's steps along I (one at Kimi's shapes) are unrolled on NVIDIA, one basic
+   block (until 2026-11-27 each slot kept a loop of its own, so that a slot's loads were issued
+   only after the slot before had been summed: one memory latency a slot); not on ROCm, where
+   the unrolled W4A4 kernel spills VGPRs on gfx942/gfx950 (ci/compile_kernels.py). With W4A4 on
+   NVIDIA, `down_ahead` issues each slot's loads that many slots before its dots (`_int_slots`).
 
 Tiles are [KL, G, R, 16]: KL lanes along K (one 16-byte vector each), G row groups over the
 remaining lanes (the down GEMM's rows are short: I/2 = 128 bytes at Kimi TP8, 8 vectors), R rows
@@ -65,31 +68,27 @@ from kernels_rocm import _pdl as pdl
 from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import INTERPRET, IS_HIP, num_compute_units
 
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # h's dtype, x's
 
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of the two decode kernels: `*_rows` rows in each lane's registers (a power of
     two; gate_up_rows counts intermediate rows, each a gate and an up row), `*_warps` warps a
-    program. Lanes go along K first (up to the row's vectors), the rest over row groups.
+    program, `*_k_lanes` the most lanes along K (the rest over row groups; None: up to the row's
+    16-byte vectors), `down_ahead` (W4A4 on NVIDIA) how many of a token's slots kernel 2 loads
+    ahead of its dots (0: each slot's loads where its dots are, scheduled by the compiler).
 
-    Defaults reasoned, then swept (ci/bench_mxfp4_decode.py --sweep; H200, 2026-11-23, section 6 of
-    docs/benchmarks.md: no variant beat them by 3% at T = 1 on Kimi TP8; 4 rows and 2 warps in kernel 1
-    gained 5-9% at T = 4 and at full width but spill 4 registers on sm_90, so it is not taken):
-    two rows a lane (four 16-byte gate/up loads a lane and step) and 4 warps give kernel 1 1,024
-    programs at T = 1 on Kimi TP8 (8 pairs x 128 row tiles; 5 fit an SM at 96 registers, so
-    about 1.5 waves on an H100's 132 SMs), each lane walking H = 7168 in two steps; kernel 2
-    gets 224 programs of 32 rows at T = 1, each with all 8 slots' loads in flight. No spills on
-    sm_90 / gfx942 / gfx950 (4 rows a lane spill on sm_90 in kernel 1)."""
+    The defaults are ROCm's and W4A16's shape, reasoned, then swept (ci/bench_mxfp4_decode.py
+    --sweep; H200, 2026-11-23): two rows a lane and 4 warps give kernel 1 1,024 programs at T = 1 on
+    Kimi TP8 (8 pairs x 128 row tiles), each lane walking H = 7168 in two steps; kernel 2 gets 224
+    programs of 32 rows at T = 1. W4A4 on NVIDIA takes `default_config`'s shape by token count."""
 
     gate_up_rows: int = 2
     gate_up_warps: int = 4
     down_rows: int = 2
     down_warps: int = 4
-    gate_up_k_lanes: int | None = None  # the most lanes along K (None: up to the row's vectors)
+    gate_up_k_lanes: int | None = None
     down_k_lanes: int | None = None
-    fuse_h_quant: bool = False  # W4A4: kernel 1 writes h's codes and scales (tiles of whole 32-row blocks)
-    down_ahead: int = 0  # W4A4 on CUDA: kernel 2 issues each slot's loads this many slots ahead (0: in turn)
+    down_ahead: int = 0
 
 
 @triton.jit
@@ -126,36 +125,26 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, stride_x: tl.int64, stri
                           PDL: tl.constexpr):
     """codes[row], scales[row] = the MXFP4 quantization of x[row] per 32 consecutive values
     (quantize_mxfp4_blocks; a width that is a multiple of 32: the masked tail holds whole
-    blocks), stored by `_store_codes`."""
+    blocks), the codes of each block in paired word order (`quantize_rows`); with MMA_LAYOUT
+    each block's 32 codes, in element order, are followed by their negations and the scales are
+    written as fp32."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
-    col0 = tl.program_id(1) * BLOCK
-    cols = (col0 + tl.arange(0, BLOCK))[None, :]
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < width, other=0.0).to(tl.float32)
-    codes, scales = quantize_mxfp4_blocks(x, 1, BLOCK)
-    _store_codes(codes_ptr + row * stride_codes, scales_ptr + row * stride_scales, col0, codes, scales, width,
-                 BLOCK, MMA_LAYOUT)
-
-
-@triton.jit
-def _store_codes(codes_ptr, scales_ptr, col0, codes, scales, width, COLS: tl.constexpr, MMA_LAYOUT: tl.constexpr):
-    """Store one row's codes [1, COLS] and scales [1, COLS / 32] (`quantize_mxfp4_blocks`) of columns
-    col0.. (col0 a multiple of 32; columns from `width` on are not stored), the codes of each block
-    in paired word order (`quantize_rows`); with MMA_LAYOUT each block's 32 codes, in element order,
-    are followed by their negations and the scales are written as fp32."""
-    cols = (col0 + tl.arange(0, COLS))[None, :]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = cols < width
-    blocks = (col0 // 32 + tl.arange(0, COLS // 32))[None, :]
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    codes, scales = quantize_mxfp4_blocks(x, 1, BLOCK)
+    word = (cols % 32) // 4
+    paired = cols - cols % 32 + (word // 2 + 4 * (word % 2)) * 4 + cols % 4
+    blocks = (tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32))[None, :]
     if MMA_LAYOUT:
         natural = cols + cols - cols % 32
-        tl.store(codes_ptr + natural, codes, mask=mask)
-        tl.store(codes_ptr + natural + 32, -codes, mask=mask)
-        tl.store(scales_ptr + blocks, e8m0_to_fp32(scales), mask=blocks * 32 < width)
+        tl.store(codes_ptr + row * stride_codes + natural, codes, mask=mask)
+        tl.store(codes_ptr + row * stride_codes + natural + 32, -codes, mask=mask)
+        tl.store(scales_ptr + row * stride_scales + blocks, e8m0_to_fp32(scales), mask=blocks * 32 < width)
     else:
-        word = (cols % 32) // 4
-        paired = cols - cols % 32 + (word // 2 + 4 * (word % 2)) * 4 + cols % 4
-        tl.store(codes_ptr + paired, codes, mask=mask)
-        tl.store(scales_ptr + blocks, scales.to(tl.uint8), mask=blocks * 32 < width)
+        tl.store(codes_ptr + row * stride_codes + paired, codes, mask=mask)
+        tl.store(scales_ptr + row * stride_scales + blocks, scales.to(tl.uint8), mask=blocks * 32 < width)
 
 
 @triton.jit
@@ -221,16 +210,14 @@ def _tile_offsets(N, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
 # and a shared-memory layout conversion in every loop step (seen in the sm_90 SASS).
 # A_INT (W4A4): x / h are MXFP4 codes as int32 words with their scale bytes (`quantize_rows`), the
 # weights int32 words (strides in words), and each block is an integer dot (`_int_block_partial`).
-# FUSE_H_QUANT (W4A4, tiles of whole 32-row blocks): h is written as codes and scale bytes (h_ptr
-# int8, hs_ptr), as quantize_rows(h) would, and that launch is saved.
 @triton.jit(do_not_specialize=["stride_sk"])
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, hs_ptr, ids_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, ids_ptr,
     N, K, E, stride_sk,  # N = intermediate size I (gate rows [0, N), up rows [N, 2N)), K = hidden size H, E experts
     stride_xm: tl.int64, stride_xsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
-    stride_se: tl.int64, stride_sn: tl.int64, stride_hm: tl.int64, stride_hsm: tl.int64,
-    TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, H_DTYPE: tl.constexpr,
-    FUSE_H_QUANT: tl.constexpr, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+    stride_se: tl.int64, stride_sn: tl.int64, stride_hm: tl.int64,
+    TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr,
+    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -264,14 +251,9 @@ def _gate_up_kernel(
             a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, KL, G)
             gate += _block_partial(w_gate + j0 * 16, s_gate + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
             up += _block_partial(w_up + j0 * 16, s_up + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
-    h = silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0), H_DTYPE)  # [G, R]
-    if FUSE_H_QUANT:  # rows past N form whole blocks (N and the tile are multiples of 32): not stored
-        codes, scales = quantize_mxfp4_blocks(tl.reshape(h.to(tl.float32), [1, G * R]), 1, G * R)
-        _store_codes(h_ptr + pair * stride_hm, hs_ptr + pair * stride_hsm, tl.program_id(1) * (G * R), codes, scales,
-                     N, G * R, False)
-    else:
-        out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
-        tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
+    h = silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0), h_ptr.dtype.element_ty)  # [G, R]
+    out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
+    tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
 
 
 @triton.jit
@@ -422,11 +404,15 @@ def quantize_rows(x: torch.Tensor, mma_layout: bool = False) -> tuple[torch.Tens
 def default_config(num_tokens: int, top_k: int, hidden: int, inter: int, quantize_activations: bool,
                    device: torch.device) -> DecodeConfig:
     """The launch shape `fused_moe_mxfp4_decode` takes without a config. W4A4 on NVIDIA, by how many
-    programs each tile gives (ci/profile_mxfp4_decode.py, H100, docs/benchmarks.md section 6): kernel 1
-    with 4 rows a lane over 32 lanes along K (16 rows a program, 105 registers, 7 full K steps over
-    H = 7168) once that gives 3 programs an SM; else 4 rows over 64 lanes on 2 warps once that gives 6;
-    else the default's 2 rows (a TP8 rank at T = 1: 1,024 programs). Kernel 2 with 4 rows a lane
-    once that leaves a program an SM. Elsewhere (W4A16, ROCm: not measured there) DecodeConfig()."""
+    programs each tile gives (ci/profile_mxfp4_decode.py, H100, docs/benchmarks.md section 6):
+    - kernel 1: 4 rows a lane over 32 lanes along K (16 rows a program, 105 registers, 7 full K steps
+      over H = 7168) once that gives 3 programs an SM (Kimi: a TP8 rank from T = 4, full width from
+      T = 1); else 4 rows on 2 warps of 64 lanes once that gives 6 (a TP8 rank at T = 2); else the
+      2 rows a lane of DecodeConfig() (a TP8 rank at T = 1: 1,024 programs);
+    - kernel 2: 4 rows a lane once that gives 2 programs an SM; below (a TP8 rank at T <= 2: 112 or
+      224 programs of 64 rows), 2 rows a lane with each slot's loads issued 4 slots ahead (TP8 T = 1:
+      23.8 against 27.6 us, T = 2: 34.9 against 37.8; from T = 4 loading ahead measured within 2%).
+    Elsewhere (W4A16, ROCm: not measured there) DecodeConfig()."""
     if not quantize_activations or IS_HIP:
         return DecodeConfig()
     sms = num_compute_units(device)
@@ -437,9 +423,10 @@ def default_config(num_tokens: int, top_k: int, hidden: int, inter: int, quantiz
         gate_up = dict(gate_up_rows=4, gate_up_warps=2)
     else:
         gate_up = {}
-    down_lanes, _, _ = _tile(inter, 4, DecodeConfig.down_warps)
-    wide_down = num_tokens * hidden >= sms * (32 * DecodeConfig.down_warps // down_lanes) * 4
-    return DecodeConfig(**gate_up, down_rows=4 if wide_down else 2)
+    _, groups, _ = _tile(inter, 4, DecodeConfig.down_warps)  # kernel 2 at 4 rows: groups x 4 rows a program
+    if num_tokens * hidden >= 2 * sms * groups * 4:
+        return DecodeConfig(**gate_up, down_rows=4)
+    return DecodeConfig(**gate_up, down_rows=2, down_ahead=4)
 
 
 def _tile(k: int, rows: int, warps: int, k_lanes: int | None = None) -> tuple[int, int, int]:
@@ -475,40 +462,28 @@ def fused_moe_mxfp4_decode(
     cfg = config or default_config(num_tokens, top_k, hidden, inter, quantize_activations, x.device)
     _check_config(cfg)
     ptx = not IS_HIP and not INTERPRET  # the CUDA weight decode / integer dot in PTX
-    kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps, cfg.gate_up_k_lanes)
-    if cfg.fuse_h_quant and not quantize_activations:
-        raise ValueError("DecodeConfig.fuse_h_quant is for MXFP4 activations (W4A4)")
-    if cfg.fuse_h_quant and (g * r) % MX_BLOCK:
-        raise ValueError(f"DecodeConfig.fuse_h_quant needs kernel 1 tiles of whole {MX_BLOCK}-row blocks, "
-                         f"got {g * r} rows (gate_up_rows x lanes / k lanes)")
-    pairs = num_tokens * top_k
-    if cfg.fuse_h_quant:  # h's codes and scales straight from kernel 1
-        h = torch.empty(pairs, inter, dtype=torch.int8, device=x.device)
-        h_scales = torch.empty(pairs, inter // MX_BLOCK, dtype=torch.uint8, device=x.device)
-    else:
-        h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-        h_scales = h  # unused
+    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     if quantize_activations:  # W4A4: integer dots of the codes, the weights read as int32 words
-        (x_in, x_scales), w13, w2 = quantize_rows(x), _words(w13, "w13"), _words(w2, "w2")
-        x_in = x_in.view(torch.int32)
+        (x, x_scales), w13, w2 = quantize_rows(x), _words(w13, "w13"), _words(w2, "w2")
+        x = x.view(torch.int32)
     else:
-        x_in, x_scales = x, x  # x_scales unused
-    _gate_up_kernel[(pairs, triton.cdiv(inter, g * r))](
-        x_in, x_scales, w13, w13_scale, h, h_scales, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
-        x_in.stride(0), x_scales.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        h.stride(0), h_scales.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations,
-        H_DTYPE=_TL_DTYPE[x.dtype], FUSE_H_QUANT=cfg.fuse_h_quant, KL=kl, G=g, R=r, num_warps=cfg.gate_up_warps,
-        **pdl.launch_args(x.device),
+        x_scales = x  # unused
+    kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps, cfg.gate_up_k_lanes)
+    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, g * r))](
+        x, x_scales, w13, w13_scale, h, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
+        x.stride(0), x_scales.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        h.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, KL=kl, G=g, R=r,
+        num_warps=cfg.gate_up_warps, **pdl.launch_args(x.device),
     )
-    if quantize_activations and not cfg.fuse_h_quant:
-        h, h_scales = quantize_rows(h)
+    h_in, h_scales = h, h
     if quantize_activations:
-        h = h.view(torch.int32)
+        h_in, h_scales = quantize_rows(h)
+        h_in = h_in.view(torch.int32)
     kl, g, r = _tile(inter, cfg.down_rows, cfg.down_warps, cfg.down_k_lanes)
     k_steps = triton.cdiv(inter // MX_BLOCK, kl)
     _down_kernel[(num_tokens, triton.cdiv(hidden, g * r))](
-        h, h_scales, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
-        h.stride(0), h_scales.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        h_in, h_scales, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
+        h_in.stride(0), h_scales.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         out.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, UNROLL_SLOTS=not IS_HIP,
         K_STEPS=k_steps, AHEAD=min(cfg.down_ahead, top_k * k_steps) if quantize_activations and not IS_HIP else 0,
         KL=kl, G=g, R=r, num_warps=cfg.down_warps, **pdl.launch_args(x.device),

@@ -130,21 +130,19 @@ def test_moe_decode_path_matches_grouped_path(num_tokens, quantize):
     assert_rel_close(decode, grouped)
 
 
-DECODE_W4A4_TILES = {
-    "4_warps_32_rows_ahead_4": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=16, fuse_h_quant=True, down_ahead=4),
-    "8_warps_32_rows_ahead_8": DecodeConfig(gate_up_rows=4, gate_up_warps=8, gate_up_k_lanes=32, fuse_h_quant=True,
-                                            down_rows=4, down_ahead=8),
+DECODE_W4A4_AHEAD = {
+    "2_rows_ahead_4": DecodeConfig(down_ahead=4),
+    "16_row_tiles_ahead_8": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4, down_ahead=8),
 }
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4, 32])
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
-@pytest.mark.parametrize("name", list(DECODE_W4A4_TILES))
-def test_moe_decode_kernel_1_writes_h_codes_compiled(name, shape, num_tokens):
-    """The decode path with h quantized by kernel 1 (fuse_h_quant) and kernel 2 loading slots ahead
-    (down_ahead), compiled, graph-replayed with new routing: against the fp32 reference, and bit for bit
-    the same tiles with quantize_rows(h) and the loads in turn."""
-    config = DECODE_W4A4_TILES[name]
+@pytest.mark.parametrize("name", list(DECODE_W4A4_AHEAD))
+def test_moe_decode_kernel_2_loads_ahead_compiled(name, shape, num_tokens):
+    """The decode path's kernel 2 issuing slots' loads ahead (down_ahead, W4A4), compiled and
+    graph-replayed with new routing: against the fp32 reference, and bit for bit the loads in turn."""
+    config = DECODE_W4A4_AHEAD[name]
     x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=15)
     graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=config))
     for seed in (16, 17):
@@ -153,8 +151,8 @@ def test_moe_decode_kernel_1_writes_h_codes_compiled(name, shape, num_tokens):
         ids.copy_(new_ids)
         graph.replay()
         assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, True))
-        apart = dataclasses.replace(config, fuse_h_quant=False, down_ahead=0)
-        assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=apart))
+        in_turn = dataclasses.replace(config, down_ahead=0)
+        assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=in_turn))
 
 
 def test_moe_decode_e8m0_bytes_0_and_254_compiled():
