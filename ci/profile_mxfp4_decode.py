@@ -1,19 +1,23 @@
-"""Where the W4A4 MXFP4 MoE decode path's time goes, and DecodeConfig variants against it, one GPU.
+"""Where the W4A4 MXFP4 MoE decode path's time goes, and its launch-shape variants, one GPU.
 
 Kimi-K2.5's per-rank TP8 shape (E384, top-8, H7168, I256) and full width (I2048), uniform random
-routing, MXFP4 activations; the same inputs as ci/bench_mxfp4_expert_gemv.py at T = 1, 4, 16, 32
-(its generator, its token order). Per point:
-- the call's time (CUDA-graph replay, L2 flushed, median; as ci/bench_mxfp4.py), with PDL and without;
-- a kernel timeline from torch.profiler over graph replays (L2 flushed between them), with PDL and
-  without: each launch's duration (without PDL: the kernel alone; with PDL a kernel starts early and
-  its duration includes its wait), the gaps between launches and the span first start - last end;
-- every variant of --variants timed the same way, checked against the fp32 reference.
-`--ncu` then runs itself under Nsight Compute (if found) for the kernels of the default launch and
-of --ncu-variants at TP8 T = 4 and 32 and full width T = 1 (duration, DRAM bytes and throughput,
-issue activity, occupancy, warp stall reasons; --clock-control none, caches flushed).
+routing, MXFP4 activations; at ci/bench_mxfp4_expert_gemv.py's token counts the same inputs as that
+bench (its generator, its order), other counts from a generator of their own. Per point:
+- every variant of --variants (VARIANTS: the launch shape the dispatch picks at that T,
+  mxfp4_moe_decode.default_config, changed one way; "before" = DecodeConfig()) and the
+  expert-grouped GEMV path, each a CUDA-graph replay, L2 flushed, median (as ci/bench_mxfp4.py), and
+  checked against the fp32 reference (relative error < 1e-2);
+- with --timeline, a kernel timeline of the dispatch's shape from torch.profiler over graph replays
+  (L2 flushed between them), with PDL and without: each launch's duration (without PDL the kernel
+  alone; with PDL a kernel starts early and its duration includes its wait), the gaps between
+  launches, the span first start - last end, and the call's time without PDL.
+`--ncu` then runs itself under Nsight Compute (if found) for the kernels of --ncu-variants at TP8 T = 4
+and 32 and full width T = 1 (duration, DRAM bytes and throughput, L2 bytes, instructions, issue
+activity, occupancy, warp stall reasons; --clock-control none, caches flushed) into ncu.csv.
 
-Usage: python ci/profile_mxfp4_decode.py [--out DIR] [--ncu] [--tokens 1,4,16,32]
-Writes profile_mxfp4_decode.json / .md (and ncu.csv) to DIR (default $OUT or ./bench_out).
+Usage: python ci/profile_mxfp4_decode.py [--out DIR] [--tokens "tp8:1,4;full:1"] [--timeline] [--ncu]
+Writes profile_mxfp4_decode.json / .md (after every point) to DIR (default $OUT or ./bench_out).
+Exit 1 if a check fails.
 """
 from __future__ import annotations
 
@@ -50,14 +54,14 @@ from kernels_rocm.mxfp4_moe_expert_gemv import default_config as expert_default 
 OURS = ("_quantize_rows_kernel", "_gate_up_kernel", "_down_kernel")
 # Variants: changes to the launch shape the dispatch picks at each T (mxfp4_moe_decode.default_config);
 # "auto" is that shape, "before" the one fused_moe_mxfp4 took before it (DecodeConfig()).
-TILE_16 = dict(gate_up_rows=4, gate_up_warps=4, gate_up_k_lanes=32)
 VARIANTS = {
     "auto": {}, "before": None,
     "d_ahead2": dict(down_ahead=2), "d_ahead4": dict(down_ahead=4),
-    "d_r2": dict(down_rows=2), "d_r2_ahead4": dict(down_rows=2, down_ahead=4), "d_r2_ahead8": dict(down_rows=2, down_ahead=8),
+    "d_r2": dict(down_rows=2), "d_r2_ahead4": dict(down_rows=2, down_ahead=4),
+    "d_r2_ahead8": dict(down_rows=2, down_ahead=8),
     "g_2rows": dict(gate_up_rows=2, gate_up_warps=4, gate_up_k_lanes=None),
     "g_2warps": dict(gate_up_rows=4, gate_up_warps=2, gate_up_k_lanes=None),
-    "g_16rows": TILE_16,
+    "g_16rows": dict(gate_up_rows=4, gate_up_warps=4, gate_up_k_lanes=32),
 }
 
 
