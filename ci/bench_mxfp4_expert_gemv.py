@@ -40,7 +40,7 @@ from bench_mxfp4 import (  # noqa: E402
 )
 from kernels_rocm.fused_moe import fused_moe  # noqa: E402
 from kernels_rocm.mxfp4_moe import default_config  # noqa: E402
-from kernels_rocm.mxfp4_moe_decode import DecodeConfig  # noqa: E402
+from kernels_rocm.mxfp4_moe_decode import default_config as decode_default  # noqa: E402
 from kernels_rocm.mxfp4_moe_expert_gemv import default_config as expert_default  # noqa: E402
 from kernels_rocm.mxfp4_moe_int_mma import default_config as int_mma_default  # noqa: E402
 
@@ -82,8 +82,9 @@ def bench(copy_gbps: float, sweep: bool, sweep_expert: bool, token_counts,
                        "grouped": default_config(tokens, weights.top_k, weights.num_experts, weights.hidden,
                                                  weights.inter, torch.device(DEVICE)),
                        "auto": None}
-            if tokens <= decode_max:
-                configs["decode"] = DecodeConfig()
+            if tokens <= decode_max:  # the decode path's launch shape at this T (what the dispatch runs)
+                configs["decode"] = decode_default(tokens, weights.top_k, weights.hidden, weights.inter, True,
+                                                   torch.device(DEVICE))
             row = {"shape": name, "tokens": tokens, "experts_hit": hit, "mb": num_bytes / 1e6,
                    "config": str(configs["int_mma"])}
             for label, cfg in configs.items():

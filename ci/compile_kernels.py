@@ -145,7 +145,9 @@ def _mxfp4_linear(m, n, k, quantize, split=None):
 
 def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, decode=False, expert_gemv=False,
                int_mma=False):
-    config = mxfp4_moe_decode_mod.DecodeConfig() if decode else None
+    """decode: True for DecodeConfig(), or a DecodeConfig."""
+    config = (decode if isinstance(decode, mxfp4_moe_decode_mod.DecodeConfig)
+              else mxfp4_moe_decode_mod.DecodeConfig() if decode else None)
     if expert_gemv:  # the launch shape default_config picks at this token count
         config = expert_gemv_mod.default_config(tokens * top_k, experts, inter)
     if int_mma:
@@ -158,6 +160,10 @@ def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, deco
         _t(tokens, hidden), _t(experts, 2 * inter, hidden // 2, dtype=u8), _t(experts, 2 * inter, hidden // 32, dtype=u8),
         _t(experts, hidden, inter // 2, dtype=u8), _t(experts, hidden, inter // 32, dtype=u8),
         _t(tokens, top_k, dtype=torch.float32), _t(tokens, top_k, dtype=torch.int32), quantize, config=config)
+
+
+def _decode_config(**fields):
+    return mxfp4_moe_decode_mod.DecodeConfig(**fields)
 
 
 def _skinny_sweep(target: str):
@@ -205,6 +211,15 @@ CASES: dict[str, Callable[[str], None]] = {
     "MXFP4 MoE decode Kimi TP8 T4 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 4, False, decode=True),
     "MXFP4 MoE decode Kimi TP8 T4 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 4, True, decode=True),
     "MXFP4 MoE decode Kimi E384 I2048 T1 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 2048, 1, True, decode=True),
+    # the W4A4 launch shapes mxfp4_moe_decode.default_config picks on NVIDIA
+    "MXFP4 MoE decode Kimi TP8 T1 w4a4 loads ahead": lambda _: _mxfp4_moe(
+        384, 8, 7168, 256, 1, True, decode=_decode_config(down_ahead=4)),
+    "MXFP4 MoE decode Kimi TP8 T2 w4a4 2-warp tiles": lambda _: _mxfp4_moe(
+        384, 8, 7168, 256, 2, True, decode=_decode_config(gate_up_rows=4, gate_up_warps=2, down_ahead=4)),
+    "MXFP4 MoE decode Kimi TP8 T16 w4a4 16-row tiles": lambda _: _mxfp4_moe(
+        384, 8, 7168, 256, 16, True, decode=_decode_config(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4)),
+    "MXFP4 MoE decode Kimi E384 I2048 T1 w4a4 16-row tiles": lambda _: _mxfp4_moe(
+        384, 8, 7168, 2048, 1, True, decode=_decode_config(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4)),
     # NVIDIA only: ROCm keeps the grouped GEMMs at these T (the portable integer dots spill VGPRs there)
     **{f"MXFP4 MoE expert GEMV Kimi TP8 (shared fused) T{t} w4a4": (
         lambda target, t=t: target == "sm90" and _mxfp4_moe(385, 9, 7168, 256, t, True, expert_gemv=True))

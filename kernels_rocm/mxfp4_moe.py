@@ -66,8 +66,12 @@ from kernels_rocm.mxfp4_moe_int_mma import IntMmaConfig, fused_moe_mxfp4_int_mma
 # expert once per block of its pairs (ci/bench_mxfp4_expert_gemv.py, H200): TP8 rank 360 against the
 # decode path's 373 us at T = 48, 443 / 486 at 64, 652 / 922 at 128; full width 1770 / 1917 at 32. The
 # decode path stays ahead up to 32 tokens on the TP8 rank (260 / 276 us) and 16 at full width.
-DECODE_MAX_TOKENS = {False: 4, True: 16}  # by quantize_activations, experts wider than NARROW_INTER
-DECODE_MAX_TOKENS_NARROW = {False: 16, True: 32}
+# From 2026-11-27 the decode path's launch shape follows the token count (mxfp4_moe_decode.default_config)
+# and W4A4 takes it again up to 96 tokens on the TP8 rank (H100, ci/bench_mxfp4_expert_gemv.py: 532
+# against the expert-grouped GEMVs' 578 us at T = 96, 679 / 656 at 128) and 64 at full width (2808 /
+# 3096 at 64, 4245 / 3927 at 96).
+DECODE_MAX_TOKENS = {False: 4, True: 64}  # by quantize_activations, experts wider than NARROW_INTER
+DECODE_MAX_TOKENS_NARROW = {False: 16, True: 96}
 # ROCm has no expert-grouped path: there W4A4 keeps the decode path as far as it beat the grouped GEMMs
 # (H100: TP8 rank 693 against 796 us at T = 96, full width 3869 / 4811 at 64), by narrow experts or not
 W4A4_DECODE_MAX_TOKENS_ALONE = {True: 96, False: 64}

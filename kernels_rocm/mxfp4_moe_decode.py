@@ -22,8 +22,11 @@ sum and a top-k sum around its two GEMMs (five launches; docs/benchmarks.md sect
    the token's K slots, each slot's sum times its routing weight added to one fp32 accumulator:
    the top-k sum needs no extra launch and no atomics; out written once (the grouped path
    rounds each slot's partial to x's dtype before its sum: here only the total is). The slot
-   loop is unrolled on NVIDIA so that all slots' loads are in flight at once; not on ROCm,
-   where the unrolled W4A4 kernel spills VGPRs on gfx942/gfx950 (ci/compile_kernels.py).
+   loop and each slot's steps along I (one at Kimi's shapes) are unrolled on NVIDIA, one basic
+   block (until 2026-11-27 each slot kept a loop of its own, so that a slot's loads were issued
+   only after the slot before had been summed: one memory latency a slot); not on ROCm, where
+   the unrolled W4A4 kernel spills VGPRs on gfx942/gfx950 (ci/compile_kernels.py). With W4A4 on
+   NVIDIA, `down_ahead` issues each slot's loads that many slots before its dots (`_int_slots`).
 
 Tiles are [KL, G, R, 16]: KL lanes along K (one 16-byte vector each), G row groups over the
 remaining lanes (the down GEMM's rows are short: I/2 = 128 bytes at Kimi TP8, 8 vectors), R rows
@@ -63,27 +66,29 @@ from kernels_rocm._mxfp4 import (
 )
 from kernels_rocm import _pdl as pdl
 from kernels_rocm._pdl import wait_for_previous_kernel
-from kernels_rocm._util import INTERPRET, IS_HIP
+from kernels_rocm._util import INTERPRET, IS_HIP, num_compute_units
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of the two decode kernels: `*_rows` rows in each lane's registers (a power of
     two; gate_up_rows counts intermediate rows, each a gate and an up row), `*_warps` warps a
-    program. Lanes go along K first (up to the row's vectors), the rest over row groups.
+    program, `*_k_lanes` the most lanes along K (the rest over row groups; None: up to the row's
+    16-byte vectors), `down_ahead` (W4A4 on NVIDIA) how many of a token's slots kernel 2 loads
+    ahead of its dots (0: each slot's loads where its dots are, scheduled by the compiler).
 
-    Defaults reasoned, then swept (ci/bench_mxfp4_decode.py --sweep; H200, 2026-11-23, section 6 of
-    docs/benchmarks.md: no variant beat them by 3% at T = 1 on Kimi TP8; 4 rows and 2 warps in kernel 1
-    gained 5-9% at T = 4 and at full width but spill 4 registers on sm_90, so it is not taken):
-    two rows a lane (four 16-byte gate/up loads a lane and step) and 4 warps give kernel 1 1,024
-    programs at T = 1 on Kimi TP8 (8 pairs x 128 row tiles; 5 fit an SM at 96 registers, so
-    about 1.5 waves on an H100's 132 SMs), each lane walking H = 7168 in two steps; kernel 2
-    gets 224 programs of 32 rows at T = 1, each with all 8 slots' loads in flight. No spills on
-    sm_90 / gfx942 / gfx950 (4 rows a lane spill on sm_90 in kernel 1)."""
+    The defaults are ROCm's and W4A16's shape, reasoned, then swept (ci/bench_mxfp4_decode.py
+    --sweep; H200, 2026-11-23): two rows a lane and 4 warps give kernel 1 1,024 programs at T = 1 on
+    Kimi TP8 (8 pairs x 128 row tiles), each lane walking H = 7168 in two steps; kernel 2 gets 224
+    programs of 32 rows at T = 1. W4A4 on NVIDIA takes `default_config`'s shape by token count."""
 
     gate_up_rows: int = 2
     gate_up_warps: int = 4
     down_rows: int = 2
     down_warps: int = 4
+    gate_up_k_lanes: int | None = None
+    down_k_lanes: int | None = None
+    down_ahead: int = 0
 
 
 @triton.jit
@@ -163,13 +168,20 @@ def _int_block_partial(w_ptrs, s_ptrs, x_lo, x_hi, a_scale, valid, PTX_DOT: tl.c
     Every product of two E2M1 values times a power of two is exact in fp32, and so is their sum
     over a block: (dot * a_scale) * w_scale is the fp32 value the dequantized path sums, bit for
     bit."""
-    words = tl.load(w_ptrs, mask=valid[:, :, :, None], other=0)
+    dots = _int_dots(tl.load(w_ptrs, mask=valid[:, :, :, None], other=0), x_lo, x_hi, PTX_DOT)
+    scale = e8m0_to_fp32(tl.load(s_ptrs, mask=valid, other=127))  # after the dots: fewer registers in kernel 1
+    return (dots.to(tl.float32) * a_scale) * scale
+
+
+@triton.jit
+def _int_dots(words, x_lo, x_hi, PTX_DOT: tl.constexpr):
+    """Each (lane, row)'s exact int32 block dot [KL, G, R] of weight words [KL, G, R, 4] (see
+    `_int_block_partial`)."""
     if PTX_DOT:
         dots = e2m1_dot_ptx(words, x_lo, x_hi)
     else:
         dots = _e2m1_dot(words, x_lo, x_hi)
-    scale = e8m0_to_fp32(tl.load(s_ptrs, mask=valid, other=127))
-    return (tl.sum(dots, axis=3).to(tl.float32) * a_scale) * scale
+    return tl.sum(dots, axis=3)
 
 
 @triton.jit
@@ -254,10 +266,12 @@ def _int_words(G: tl.constexpr):
 @triton.jit
 def _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, pair, E, K, stride_sk,
                   stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act,
-                  PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, KL: tl.constexpr, G: tl.constexpr,
-                  R: tl.constexpr):
+                  PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, K_STEPS: tl.constexpr, KL: tl.constexpr,
+                  G: tl.constexpr, R: tl.constexpr):
     """One (token, slot) pair's routing weight times its per-lane partial sums [KL, G, R] (w_tile
-    in words with A_INT, act then `_int_words`)."""
+    in words with A_INT, act then `_int_words`). The K_STEPS steps along K are unrolled: the code of
+    all slots is one basic block, so the compiler can issue every slot's loads before the first
+    slot's dots (with a loop per slot each slot's loads waited for the slot before)."""
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     known = (expert >= 0) & (expert < E)  # as in the grouped path, an id out of range adds nothing
     expert = tl.where(known, expert, 0)
@@ -266,7 +280,8 @@ def _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, pair, 
     if A_INT:
         h_words = h_ptr + pair * stride_hm + lane[:, :, :, None] * 8 + act
         h_scales = hs_ptr + pair * stride_hsm + lane
-        for j0 in range(0, num_blocks, KL):
+        for step in tl.static_range(K_STEPS):
+            j0 = step * KL
             valid = (lane + j0 < num_blocks) & known
             x_lo, x_hi, a_scale = _int_activation_block(h_words + j0 * 8, h_scales + j0, valid)
             part += _int_block_partial(w_ptr + expert * stride_we + w_tile + j0 * 4,
@@ -274,13 +289,60 @@ def _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, pair, 
                                        valid, PTX_DECODE)
     else:
         a_ptrs = h_ptr + pair * stride_hm + lane[:, :, :, None] * 32 + act
-        for j0 in range(0, num_blocks, KL):
+        for step in tl.static_range(K_STEPS):
+            j0 = step * KL
             valid = (lane + j0 < num_blocks) & known
             a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, KL, G)
             part += _block_partial(w_ptr + expert * stride_we + w_tile + j0 * 16,
                                    s_ptr + expert * stride_se + s_tile + j0 * stride_sk, a_even, a_odd, valid,
                                    PTX_DECODE)
     return part * tl.load(topk_weights_ptr + pair)
+
+
+@triton.jit
+def _int_unit_load(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, pair, j0, E, num_blocks, stride_sk,
+                   stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, words):
+    """What kernel 2 reads for one (pair, K step) with MXFP4 activations: (weight words, scale bytes,
+    activation codes x_lo / x_hi and scale / 4, routing weight); an id out of range reads nothing."""
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    known = (expert >= 0) & (expert < E)
+    expert = tl.where(known, expert, 0)
+    valid = (lane + j0 < num_blocks) & known
+    x_lo, x_hi, a_scale = _int_activation_block(h_ptr + pair * stride_hm + lane[:, :, :, None] * 8 + words + j0 * 8,
+                                                hs_ptr + pair * stride_hsm + lane + j0, valid)
+    w = tl.load(w_ptr + expert * stride_we + w_tile + j0 * 4, mask=valid[:, :, :, None], other=0)
+    s = tl.load(s_ptr + expert * stride_se + s_tile + j0 * stride_sk, mask=valid, other=127)
+    return w, s, x_lo, x_hi, a_scale, tl.load(topk_weights_ptr + pair)
+
+
+@triton.jit
+def _int_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E, K, stride_sk, stride_hm, stride_hsm,
+               stride_we, stride_se, w_tile, s_tile, lane, words, PTX_DOT: tl.constexpr, TOP_K: tl.constexpr,
+               K_STEPS: tl.constexpr, AHEAD: tl.constexpr, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
+    """Kernel 2's sum over a token's slots with MXFP4 activations (CUDA): what `_slot_partial` adds up,
+    in the same order, with the loads of each (slot, K step) unit issued AHEAD units before its dots
+    (1 <= AHEAD <= TOP_K * K_STEPS), so that several slots' weights are in flight at once."""
+    num_blocks = K // 32
+    UNITS: tl.constexpr = TOP_K * K_STEPS
+    loaded = ()
+    for u in tl.static_range(AHEAD):
+        loaded = loaded + (_int_unit_load(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr,
+                                          token * TOP_K + u // K_STEPS, (u % K_STEPS) * KL, E, num_blocks, stride_sk,
+                                          stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, words),)
+    acc = tl.zeros([KL, G, R], dtype=tl.float32)
+    part = tl.zeros([KL, G, R], dtype=tl.float32)
+    for u in tl.static_range(UNITS):
+        if u + AHEAD < UNITS:
+            loaded = loaded + (_int_unit_load(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr,
+                                              token * TOP_K + (u + AHEAD) // K_STEPS, ((u + AHEAD) % K_STEPS) * KL, E,
+                                              num_blocks, stride_sk, stride_hm, stride_hsm, stride_we, stride_se,
+                                              w_tile, s_tile, lane, words),)
+        w, s, x_lo, x_hi, a_scale, weight = loaded[u]
+        part += (_int_dots(w, x_lo, x_hi, PTX_DOT).to(tl.float32) * a_scale) * e8m0_to_fp32(s)
+        if u % K_STEPS == K_STEPS - 1:
+            acc += part * weight
+            part = tl.zeros([KL, G, R], dtype=tl.float32)
+    return acc
 
 
 @triton.jit(do_not_specialize=["stride_sk"])
@@ -290,7 +352,7 @@ def _down_kernel(
     stride_hm: tl.int64, stride_hsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
     stride_se: tl.int64, stride_sn: tl.int64, stride_om: tl.int64,
     TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, UNROLL_SLOTS: tl.constexpr,
-    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+    K_STEPS: tl.constexpr, AHEAD: tl.constexpr, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -303,16 +365,20 @@ def _down_kernel(
         w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
     s_tile = rows * stride_sn + lane * stride_sk
     acc = tl.zeros([KL, G, R], dtype=tl.float32)
-    if UNROLL_SLOTS:  # the K slots' loads in flight together (a short I is one step a slot)
+    if AHEAD:  # W4A4 on CUDA
+        acc = _int_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E, K, stride_sk, stride_hm,
+                         stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act, PTX_DECODE, TOP_K, K_STEPS, AHEAD,
+                         KL, G, R)
+    elif UNROLL_SLOTS:  # the K slots' code in one basic block (a short I is one step a slot)
         for slot in tl.static_range(TOP_K):
             acc += _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token * TOP_K + slot, E, K,
                                  stride_sk, stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act,
-                                 PTX_DECODE, A_INT, KL, G, R)
+                                 PTX_DECODE, A_INT, K_STEPS, KL, G, R)
     else:
         for slot in range(TOP_K):
             acc += _slot_partial(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token * TOP_K + slot, E, K,
                                  stride_sk, stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act,
-                                 PTX_DECODE, A_INT, KL, G, R)
+                                 PTX_DECODE, A_INT, K_STEPS, KL, G, R)
     out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
     tl.store(out_ptr + token * stride_om + out_rows, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=row_valid)
 
@@ -335,6 +401,34 @@ def quantize_rows(x: torch.Tensor, mma_layout: bool = False) -> tuple[torch.Tens
     return codes, scales
 
 
+def default_config(num_tokens: int, top_k: int, hidden: int, inter: int, quantize_activations: bool,
+                   device: torch.device) -> DecodeConfig:
+    """The launch shape `fused_moe_mxfp4_decode` takes without a config. W4A4 on NVIDIA, by how many
+    programs each tile gives (ci/profile_mxfp4_decode.py, H100, docs/benchmarks.md section 6):
+    - kernel 1: 4 rows a lane over 32 lanes along K (16 rows a program, 105 registers, 7 full K steps
+      over H = 7168) once that gives 3 programs an SM (Kimi: a TP8 rank from T = 4, full width from
+      T = 1); else 4 rows on 2 warps of 64 lanes once that gives 6 (a TP8 rank at T = 2); else the
+      2 rows a lane of DecodeConfig() (a TP8 rank at T = 1: 1,024 programs);
+    - kernel 2: 4 rows a lane once that gives 2 programs an SM; below (a TP8 rank at T <= 2: 112 or
+      224 programs of 64 rows), 2 rows a lane with each slot's loads issued 4 slots ahead (TP8 T = 1:
+      23.8 against 27.6 us, T = 2: 34.9 against 37.8; from T = 4 loading ahead measured within 2%).
+    Elsewhere (W4A16, ROCm: not measured there) DecodeConfig()."""
+    if not quantize_activations or IS_HIP:
+        return DecodeConfig()
+    sms = num_compute_units(device)
+    rows = num_tokens * top_k * inter  # intermediate rows over all pairs
+    if rows >= 16 * 3 * sms:
+        gate_up = dict(gate_up_rows=4, gate_up_k_lanes=32)
+    elif rows >= 4 * 6 * sms:
+        gate_up = dict(gate_up_rows=4, gate_up_warps=2)
+    else:
+        gate_up = {}
+    _, groups, _ = _tile(inter, 4, DecodeConfig.down_warps)  # kernel 2 at 4 rows: groups x 4 rows a program
+    if num_tokens * hidden >= 2 * sms * groups * 4:
+        return DecodeConfig(**gate_up, down_rows=4)
+    return DecodeConfig(**gate_up, down_rows=2, down_ahead=4)
+
+
 def _tile(k: int, rows: int, warps: int, k_lanes: int | None = None) -> tuple[int, int, int]:
     """(KL, G, R): lanes along K up to the row's 16-byte vectors (a power of two) and `k_lanes`, the
     rest of the program's lanes over row groups."""
@@ -343,12 +437,13 @@ def _tile(k: int, rows: int, warps: int, k_lanes: int | None = None) -> tuple[in
     return kl, lanes // kl, rows
 
 
-def _check_config(cfg, powers_of_two: tuple[str, ...] = ("gate_up_rows", "down_rows")) -> None:
+def _check_config(cfg, powers_of_two: tuple[str, ...] = ("gate_up_rows", "down_rows", "gate_up_k_lanes",
+                                                         "down_k_lanes")) -> None:
     """ValueError naming the field unless `powers_of_two` are powers of two and the warps 1-8."""
     name_of = type(cfg).__name__
     for name in powers_of_two:
         value = getattr(cfg, name)
-        if value < 1 or value & (value - 1):
+        if value is not None and (value < 1 or value & (value - 1)):  # None: unlimited k_lanes
             raise ValueError(f"{name_of}.{name} must be a power of two, got {value}")
     for name in ("gate_up_warps", "down_warps"):
         if getattr(cfg, name) not in (1, 2, 4, 8):
@@ -364,7 +459,7 @@ def fused_moe_mxfp4_decode(
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
-    cfg = config or DecodeConfig()
+    cfg = config or default_config(num_tokens, top_k, hidden, inter, quantize_activations, x.device)
     _check_config(cfg)
     ptx = not IS_HIP and not INTERPRET  # the CUDA weight decode / integer dot in PTX
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
@@ -373,7 +468,7 @@ def fused_moe_mxfp4_decode(
         x = x.view(torch.int32)
     else:
         x_scales = x  # unused
-    kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps)
+    kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps, cfg.gate_up_k_lanes)
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, g * r))](
         x, x_scales, w13, w13_scale, h, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
         x.stride(0), x_scales.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
@@ -384,11 +479,13 @@ def fused_moe_mxfp4_decode(
     if quantize_activations:
         h_in, h_scales = quantize_rows(h)
         h_in = h_in.view(torch.int32)
-    kl, g, r = _tile(inter, cfg.down_rows, cfg.down_warps)
+    kl, g, r = _tile(inter, cfg.down_rows, cfg.down_warps, cfg.down_k_lanes)
+    k_steps = triton.cdiv(inter // MX_BLOCK, kl)
     _down_kernel[(num_tokens, triton.cdiv(hidden, g * r))](
         h_in, h_scales, w2, w2_scale, out, topk_ids, topk_weights, hidden, inter, w2.shape[0], w2_scale.stride(2),
         h_in.stride(0), h_scales.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         out.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, UNROLL_SLOTS=not IS_HIP,
+        K_STEPS=k_steps, AHEAD=min(cfg.down_ahead, top_k * k_steps) if quantize_activations and not IS_HIP else 0,
         KL=kl, G=g, R=r, num_warps=cfg.down_warps, **pdl.launch_args(x.device),
     )
     return out

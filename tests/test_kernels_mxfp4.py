@@ -8,6 +8,10 @@ rounding is involved (the QDQ itself) the comparison is exact. About 1-3 s per M
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import unittest.mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -296,6 +300,38 @@ def test_moe_decode_rocm_tiles(quantize, monkeypatch):
     _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
 
 
+@pytest.mark.parametrize("ahead", [1, 3, 12], ids=lambda a: f"ahead{a}")
+def test_moe_decode_kernel_2_loads_ahead(ahead):
+    """Kernel 2 issuing each (slot, K step)'s loads `ahead` units early (W4A4; 2 lanes along I = 3
+    blocks: 2 K steps a slot, the second half masked; 12 = all units): against the reference, and bit
+    for bit the loads in turn (the same sums in the same order)."""
+    config = DecodeConfig(down_warps=1, down_k_lanes=2, down_ahead=ahead)
+    g = torch.Generator().manual_seed(35)
+    x, w13, s13, w2, s2, weights, ids = _moe_case(3, 3, g, hot=4)
+    ids[1, 2] = -1  # out of range: adds nothing
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, out=nan_like(x), config=config)
+    _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, True))
+    in_turn = dataclasses.replace(config, down_ahead=0)
+    assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=in_turn))
+
+
+def test_moe_decode_default_config_by_token_count():
+    """The W4A4 launch shapes by program count (a device of 132 SMs): a TP8 rank's T = 1 keeps kernel
+    1's 2 rows a lane, T = 2 takes 4 rows on 2 warps, T = 4 and full width 16-row tiles; kernel 2
+    loads 4 slots ahead with 2 rows a lane while 4 rows would give under 2 programs an SM (TP8 T <= 2),
+    else 4 rows; W4A16 keeps DecodeConfig()."""
+    device = torch.device("cpu")
+    with unittest.mock.patch.object(mxfp4_moe_decode, "num_compute_units", lambda _: 132):
+        pick = functools.partial(mxfp4_moe_decode.default_config, top_k=8, hidden=7168, device=device)
+        assert pick(1, inter=256, quantize_activations=True) == DecodeConfig(down_ahead=4)
+        assert pick(2, inter=256, quantize_activations=True) == DecodeConfig(gate_up_rows=4, gate_up_warps=2,
+                                                                               down_ahead=4)
+        tiles = DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4)
+        assert pick(4, inter=256, quantize_activations=True) == tiles
+        assert pick(1, inter=2048, quantize_activations=True) == tiles
+        assert pick(4, inter=256, quantize_activations=False) == DecodeConfig()
+
+
 def test_moe_decode_bfloat16():
     """(A seed whose h has no bf16 / E2M1 rounding tie that the two summation orders split: at
     seed 31 both paths differ from the reference by 5.5% of the max at one h element, alike.)"""
@@ -313,3 +349,5 @@ def test_moe_decode_rejects_bad_config():
         fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=DecodeConfig(gate_up_rows=3))
     with pytest.raises(ValueError, match="down_warps"):
         fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=DecodeConfig(down_warps=16))
+    with pytest.raises(ValueError, match="gate_up_k_lanes"):
+        fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=DecodeConfig(gate_up_k_lanes=24))

@@ -15,6 +15,8 @@ the W4A4 tensor-core path (mxfp4_moe_int_mma) and its PTX code lookup.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,6 +128,31 @@ def test_moe_decode_path_matches_grouped_path(num_tokens, quantize):
                               config=moe_default_config(num_tokens, 8, 384, 7168, 256, x.device))
     decode = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, config=DecodeConfig())
     assert_rel_close(decode, grouped)
+
+
+DECODE_W4A4_AHEAD = {
+    "2_rows_ahead_4": DecodeConfig(down_ahead=4),
+    "16_row_tiles_ahead_8": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4, down_ahead=8),
+}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 32])
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+@pytest.mark.parametrize("name", list(DECODE_W4A4_AHEAD))
+def test_moe_decode_kernel_2_loads_ahead_compiled(name, shape, num_tokens):
+    """The decode path's kernel 2 issuing slots' loads ahead (down_ahead, W4A4), compiled and
+    graph-replayed with new routing: against the fp32 reference, and bit for bit the loads in turn."""
+    config = DECODE_W4A4_AHEAD[name]
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=15)
+    graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=config))
+    for seed in (16, 17):
+        _, _, _, _, _, new_weights, new_ids = moe_inputs(shape, num_tokens, seed=seed)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, True))
+        in_turn = dataclasses.replace(config, down_ahead=0)
+        assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=in_turn))
 
 
 def test_moe_decode_e8m0_bytes_0_and_254_compiled():
