@@ -57,7 +57,6 @@ import kernels_rocm.mxfp4_linear as mxfp4_linear_mod  # noqa: E402
 import kernels_rocm.mxfp4_moe as mxfp4_moe_mod  # noqa: E402
 import kernels_rocm.mxfp4_moe_decode as mxfp4_moe_decode_mod  # noqa: E402
 import kernels_rocm.mxfp4_moe_expert_gemv as expert_gemv_mod  # noqa: E402
-import kernels_rocm.mxfp4_moe_int_mma as int_mma_mod  # noqa: E402
 import kernels_rocm.paged_attention as paged_mod  # noqa: E402
 import kernels_rocm.skinny_gemm as skinny_mod  # noqa: E402
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache  # noqa: E402
@@ -143,15 +142,12 @@ def _mxfp4_linear(m, n, k, quantize, split=None):
                                   quantize_activations=quantize, config=config)
 
 
-def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, decode=False, expert_gemv=False,
-               int_mma=False):
+def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, decode=False, expert_gemv=False):
     """decode: True for DecodeConfig(), or a DecodeConfig."""
     config = (decode if isinstance(decode, mxfp4_moe_decode_mod.DecodeConfig)
               else mxfp4_moe_decode_mod.DecodeConfig() if decode else None)
     if expert_gemv:  # the launch shape default_config picks at this token count
         config = expert_gemv_mod.default_config(tokens * top_k, experts, inter)
-    if int_mma:
-        config = int_mma_mod.default_config(tokens * top_k, experts)
     if split is not None:  # the default tiles with a forced GEMM 1 split
         config = mxfp4_moe_mod.default_config(tokens, top_k, experts, hidden, inter, torch.device("meta"))
         config = dataclasses.replace(config, gate_up=dataclasses.replace(config.gate_up, split_k=split))
@@ -226,13 +222,6 @@ CASES: dict[str, Callable[[str], None]] = {
        for t in (32, 128, 256, 512)},
     "MXFP4 MoE expert GEMV Kimi E384 I2048 T128 w4a4": lambda target: target == "sm90" and _mxfp4_moe(
         384, 8, 7168, 2048, 128, True, expert_gemv=True),
-    # the tensor-core path: NVIDIA only (PTX lookup, mma.sync register layouts)
-    "MXFP4 MoE int MMA Kimi TP8 T128 w4a4": lambda target: target == "sm90" and _mxfp4_moe(
-        384, 8, 7168, 256, 128, True, int_mma=True),
-    "MXFP4 MoE int MMA Kimi TP8 T512 w4a4": lambda target: target == "sm90" and _mxfp4_moe(
-        384, 8, 7168, 256, 512, True, int_mma=True),
-    "MXFP4 MoE int MMA Kimi E384 I2048 T128 w4a4": lambda target: target == "sm90" and _mxfp4_moe(
-        384, 8, 7168, 2048, 128, True, int_mma=True),
     "MXFP4 linear M4 N512 K7168 w4a4 split 8": lambda _: _mxfp4_linear(4, 512, 7168, True, split=8),
     "MXFP4 linear M64 N7168 K256 w4a16": lambda _: _mxfp4_linear(64, 7168, 256, False),
     "kv write MHA fp8": lambda t: write_kv_cache(_t(64, 8, 128), _t(64, 8, 128), _t(99, 16, 8, 128, dtype=_fp8_dtype(t)),

@@ -218,49 +218,6 @@ def e2m1_dot_ptx(w, x_lo, x_hi):
 
 
 @triton.jit
-def e2m1_split_codes_ptx(packed):
-    """CUDA: uint8 packed E2M1 bytes [..., 4n] (4 consecutive bytes a thread: one word of 8 codes,
-    element i in nibble i) -> (pos_lo, pos_hi, neg_lo, neg_hi), int8 of the same shape: at the
-    word's byte position i, twice the magnitude of element i (lo) or 4 + i (hi) when its code is
-    positive (pos) or negative (neg), else 0. Twice the E2M1 value is pos - neg.
-
-    One prmt a group of 4 codes, as in `e2m1_dot_ptx`: the byte table {0, 1, 2, 3, 4, 6, 8, 12}
-    (twice the E2M1 magnitudes) looked up by the codes' nibbles; a code with its sign bit set
-    selects in sign-replicate mode, which gives 0 (no table byte has its top bit set), so the
-    codes as they are give the positive magnitudes and the codes with their sign bits flipped
-    the negative ones. Nine instructions for 8 codes: the negation is left to the tensor core's
-    K axis (`mxfp4_moe_int_mma`)."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 lo_tab, hi_tab, flipped, w_hi, f_hi;
-        mov.b32 lo_tab, 0x03020100;
-        mov.b32 hi_tab, 0x0C080604;
-        xor.b32 flipped, $4, 0x88888888;
-        shr.u32 w_hi, $4, 16;
-        shr.u32 f_hi, flipped, 16;
-        prmt.b32 $0, lo_tab, hi_tab, $4;
-        prmt.b32 $1, lo_tab, hi_tab, w_hi;
-        prmt.b32 $2, lo_tab, hi_tab, flipped;
-        prmt.b32 $3, lo_tab, hi_tab, f_hi;
-        }""",
-        "=r,=r,=r,=r,r", [packed], dtype=(tl.int8, tl.int8, tl.int8, tl.int8), is_pure=True, pack=4,
-    )
-
-
-@triton.jit
-def e2m1_split_codes(packed, ROWS: tl.constexpr, BYTES: tl.constexpr):
-    """`e2m1_split_codes_ptx` in portable Triton (the interpreter) for a [ROWS, BYTES] tile."""
-    byte = tl.reshape(packed.to(tl.int32), [ROWS, BYTES // 4, 4])
-    word = tl.sum(byte << (8 * tl.arange(0, 4))[None, None, :], axis=2)[:, :, None]
-    shift = 4 * tl.arange(0, 4)[None, None, :]
-    lo = e2m1_to_int((word >> shift) & 15)
-    hi = e2m1_to_int((word >> (shift + 16)) & 15)
-    parts = (tl.maximum(lo, 0), tl.maximum(hi, 0), tl.maximum(-lo, 0), tl.maximum(-hi, 0))
-    return (tl.reshape(parts[0], [ROWS, BYTES]).to(tl.int8), tl.reshape(parts[1], [ROWS, BYTES]).to(tl.int8),
-            tl.reshape(parts[2], [ROWS, BYTES]).to(tl.int8), tl.reshape(parts[3], [ROWS, BYTES]).to(tl.int8))
-
-
-@triton.jit
 def silu_mul(gate, up, OUT_DTYPE: tl.constexpr):
     """The MoE gate/up epilogue: silu(gate) * up in fp32, rounded to the activation dtype."""
     return (gate * tl.sigmoid(gate) * up).to(OUT_DTYPE)

@@ -52,7 +52,6 @@ from kernels_rocm.fused_moe import choose_block_m, moe_align_block_size
 from kernels_rocm.mxfp4_linear import GemmConfig, choose_split_k, dot_dtype, ptx_decode, split_k_range
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig, fused_moe_mxfp4_decode
 from kernels_rocm.mxfp4_moe_expert_gemv import ExpertGemvConfig, fused_moe_mxfp4_expert_gemv
-from kernels_rocm.mxfp4_moe_int_mma import IntMmaConfig, fused_moe_mxfp4_int_mma
 
 # Up to this many tokens fused_moe_mxfp4 takes the GEMV-style decode path (mxfp4_moe_decode).
 # Measured on an H100 (docs/benchmarks.md section 6, ci/bench_mxfp4_decode.py). With bf16
@@ -287,7 +286,7 @@ def fused_moe_mxfp4(
     topk_ids: torch.Tensor,
     quantize_activations: bool,
     out: torch.Tensor | None = None,
-    config: MoeConfig | DecodeConfig | ExpertGemvConfig | IntMmaConfig | None = None,
+    config: MoeConfig | DecodeConfig | ExpertGemvConfig | None = None,
 ) -> torch.Tensor:
     """Routed MXFP4 experts: x [T, H] (bf16/fp16/fp32), w13 uint8 [E, 2I, H/2] (gate rows then up
     rows) with w13_scale uint8 E8M0 [E, 2I, H/32], w2 uint8 [E, H, I/2] with w2_scale [E, H, I/32],
@@ -296,9 +295,9 @@ def fused_moe_mxfp4(
     the decode path runs (`mxfp4_moe_decode`), with MXFP4 activations up to EXPERT_GEMV_MAX_TOKENS
     the expert-grouped GEMVs (`mxfp4_moe_expert_gemv`), else the grouped GEMMs; `config` overrides
     the choice (benchmarks): a MoeConfig forces the grouped GEMMs with those tiles, a DecodeConfig
-    the decode path, an ExpertGemvConfig the expert-grouped GEMVs, an IntMmaConfig the int8
-    tensor-core path (`mxfp4_moe_int_mma`, W4A4 and NVIDIA only; never chosen by the dispatch: its
-    first form measured slower than the others at every T)."""
+    the decode path, an ExpertGemvConfig the expert-grouped GEMVs. (An int8 tensor-core W4A4 path was
+    built and measured in two forms on 2026-11-27, slower than these at every T, and removed:
+    docs/benchmarks.md section 6.)"""
     _check_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -319,10 +318,6 @@ def fused_moe_mxfp4(
         if not quantize_activations:
             raise ValueError("config: the expert-grouped GEMV path multiplies MXFP4 codes (quantize_activations=True)")
         return fused_moe_mxfp4_expert_gemv(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out, config)
-    if isinstance(config, IntMmaConfig):
-        if not quantize_activations:
-            raise ValueError("config: the tensor-core path multiplies MXFP4 codes (quantize_activations=True)")
-        return fused_moe_mxfp4_int_mma(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out, config)
 
     cfg = config or default_config(num_tokens, top_k, num_experts, hidden, inter, x.device)
     if cfg.gate_up.block_m != cfg.down.block_m:

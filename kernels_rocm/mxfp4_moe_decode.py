@@ -121,13 +121,10 @@ def _activation_block(ptrs, valid, KL: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, stride_x: tl.int64, stride_codes: tl.int64,
-                          stride_scales: tl.int64, width, BLOCK: tl.constexpr, MMA_LAYOUT: tl.constexpr,
-                          PDL: tl.constexpr):
+                          stride_scales: tl.int64, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """codes[row], scales[row] = the MXFP4 quantization of x[row] per 32 consecutive values
     (quantize_mxfp4_blocks; a width that is a multiple of 32: the masked tail holds whole
-    blocks), the codes of each block in paired word order (`quantize_rows`); with MMA_LAYOUT
-    each block's 32 codes, in element order, are followed by their negations and the scales are
-    written as fp32."""
+    blocks), the codes of each block in paired word order (`quantize_rows`)."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
@@ -137,14 +134,8 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, stride_x: tl.int64, stri
     word = (cols % 32) // 4
     paired = cols - cols % 32 + (word // 2 + 4 * (word % 2)) * 4 + cols % 4
     blocks = (tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32))[None, :]
-    if MMA_LAYOUT:
-        natural = cols + cols - cols % 32
-        tl.store(codes_ptr + row * stride_codes + natural, codes, mask=mask)
-        tl.store(codes_ptr + row * stride_codes + natural + 32, -codes, mask=mask)
-        tl.store(scales_ptr + row * stride_scales + blocks, e8m0_to_fp32(scales), mask=blocks * 32 < width)
-    else:
-        tl.store(codes_ptr + row * stride_codes + paired, codes, mask=mask)
-        tl.store(scales_ptr + row * stride_scales + blocks, scales.to(tl.uint8), mask=blocks * 32 < width)
+    tl.store(codes_ptr + row * stride_codes + paired, codes, mask=mask)
+    tl.store(scales_ptr + row * stride_scales + blocks, scales.to(tl.uint8), mask=blocks * 32 < width)
 
 
 @triton.jit
@@ -383,21 +374,19 @@ def _down_kernel(
     tl.store(out_ptr + token * stride_om + out_rows, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=row_valid)
 
 
-def quantize_rows(x: torch.Tensor, mma_layout: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The MXFP4 quantization of each row of x [M, W] (W a multiple of 32), Quark's even scale, in
     one launch: (codes int8 [M, W], twice each E2M1 value; scales uint8 [M, W / 32]). The codes of
     a 32-block are stored in paired word order, words (4 codes each) 0, 2, 4, 6, 1, 3, 5, 7, so
-    that the decode kernels read a weight word's 8 activations as word i of each half.
-    mma_layout (the tensor-core path, `mxfp4_moe_int_mma`): codes [M, 2W], each block's 32 codes in
-    element order then their negations, and scales fp32 [M, W / 32] (2^(byte - 127), NaN for 255)."""
+    that the decode kernels read a weight word's 8 activations as word i of each half."""
     rows, width = x.shape
-    codes = torch.empty(rows, 2 * width if mma_layout else width, dtype=torch.int8, device=x.device)
-    scales = torch.empty(rows, width // MX_BLOCK, dtype=torch.float32 if mma_layout else torch.uint8, device=x.device)
+    codes = torch.empty(rows, width, dtype=torch.int8, device=x.device)
+    scales = torch.empty(rows, width // MX_BLOCK, dtype=torch.uint8, device=x.device)
     if rows and width:
         block = min(1024, triton.next_power_of_2(width))
         _quantize_rows_kernel[(rows, triton.cdiv(width, block))](
-            x, codes, scales, x.stride(0), codes.stride(0), scales.stride(0), width, BLOCK=block,
-            MMA_LAYOUT=mma_layout, num_warps=4, **pdl.launch_args(x.device))
+            x, codes, scales, x.stride(0), codes.stride(0), scales.stride(0), width, BLOCK=block, num_warps=4,
+            **pdl.launch_args(x.device))
     return codes, scales
 
 

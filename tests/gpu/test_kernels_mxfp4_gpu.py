@@ -10,8 +10,7 @@ Sizes: Kimi-K2.5 TP8 rank (E384, top-8, H7168, I256) and the full expert width (
 experts to bound memory), the TP8 shared-expert and dense shapes, Kimi MLA 8 heads 512+64 with
 fp8 latent rows in a pool past 4 GiB (block ids >= 65,536) and the CUDA fp8 upcast for every
 byte, the EAGLE3 MHA draft; graph capture and replay with new routing / new scale values; the
-MoE's decode path (T <= decode_max_tokens(I, W4A4)) against the grouped path forced at the same inputs;
-the W4A4 tensor-core path (mxfp4_moe_int_mma) and its PTX code lookup.
+MoE's decode path (T <= decode_max_tokens(I, W4A4)) against the grouped path forced at the same inputs.
 """
 from __future__ import annotations
 
@@ -33,9 +32,6 @@ from kernels_rocm.mxfp4_moe import default_config as moe_default_config
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig, _e2m1_dot
 from kernels_rocm.mxfp4_moe_expert_gemv import default_config as expert_default_config
 from kernels_rocm.mxfp4_moe_expert_gemv import dp4a_pair_ptx, e2m1_codes_ptx
-from kernels_rocm._mxfp4 import e2m1_split_codes, e2m1_split_codes_ptx
-from kernels_rocm.mxfp4_moe_int_mma import IntMmaConfig
-from kernels_rocm.mxfp4_moe_int_mma import default_config as int_mma_default_config
 from kernels_rocm.paged_attention import paged_attention
 from model_ops.attention import torch_ref
 from model_ops.attention.metadata import AttentionMetadata
@@ -424,81 +420,3 @@ def test_expert_gemv_path_compiled(shape, num_tokens):
     grouped = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True,
                               config=moe_default_config(num_tokens, top_k, num_experts, hidden, inter, x.device))
     assert_rel_close(out, grouped)
-
-
-@triton.jit
-def _split_codes_probe_kernel(packed_ptr, ptx_ptr, portable_ptr, ROWS: tl.constexpr):
-    offs = (tl.program_id(0) * ROWS + tl.arange(0, ROWS))[:, None] * 16 + tl.arange(0, 16)[None, :]
-    packed = tl.load(packed_ptr + offs)
-    ptx = e2m1_split_codes_ptx(packed)
-    portable = e2m1_split_codes(packed, ROWS, 16)
-    for p in tl.static_range(4):
-        tl.store(ptx_ptr + p * tl.num_programs(0) * ROWS * 16 + offs, ptx[p])
-        tl.store(portable_ptr + p * tl.num_programs(0) * ROWS * 16 + offs, portable[p])
-
-
-@pytest.mark.skipif(torch.version.hip is not None, reason="the PTX split lookup is the CUDA path")
-def test_ptx_split_code_lookup_equals_the_portable_one():
-    """e2m1_split_codes_ptx (the tensor-core path's weight decode) against the portable lookup,
-    compiled: every byte value in every position, and 2^20 random bytes."""
-    g = torch.Generator(device=DEVICE).manual_seed(22)
-    packed = torch.randint(0, 256, (1 << 16, 16), generator=g, device=DEVICE, dtype=torch.int32).to(torch.uint8)
-    packed[:256] = torch.arange(256, device=DEVICE, dtype=torch.int32).to(torch.uint8)[:, None]
-    ptx = torch.empty(4, *packed.shape, dtype=torch.int8, device=DEVICE)
-    portable = torch.empty_like(ptx)
-    _split_codes_probe_kernel[(packed.shape[0] // 64,)](packed, ptx, portable, ROWS=64)
-    assert portable.abs().max() > 0
-    assert torch.equal(ptx, portable)
-
-
-@pytest.mark.parametrize("num_tokens", [17, 64, 512])
-@pytest.mark.parametrize("shape", list(MOE_SHAPES))
-def test_int_mma_path_compiled(shape, num_tokens):
-    """The W4A4 tensor-core path (its default launch shape at each T: 8- or 16-pair blocks) against
-    the fp32 reference and the expert-grouped GEMVs forced at the same inputs (both exact block
-    sums: they differ by fp32 summation order only)."""
-    num_experts, top_k, hidden, inter = MOE_SHAPES[shape]
-    x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=11)
-    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, out=torch.full_like(x, float("nan")),
-                          config=int_mma_default_config(num_tokens * top_k, num_experts))
-    assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, True))
-    gemv = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True,
-                           config=expert_default_config(num_tokens * top_k, num_experts, inter))
-    assert_rel_close(out, gemv)
-
-
-@pytest.mark.parametrize("config", [IntMmaConfig(block_m=8), IntMmaConfig(block_m=32, gate_up_rows=128, k_blocks=2)],
-                         ids=["m8", "m32_rows128_k2"])
-def test_int_mma_e8m0_bytes_0_and_254_and_fp32_compiled(config):
-    """The compiled tensor-core path (PTX lookup, wgmma, the 3.0-bits read of the int32 dots) on
-    E8M0 bytes 0 and 254 with fp32 activations: exact up to fp32 summation order."""
-    g = torch.Generator(device=DEVICE).manual_seed(12)
-    w13, s13 = random_mxfp4(4, 2 * 128, 256, g=g)
-    w2, s2 = random_mxfp4(4, 256, 128, g=g)
-    s13[..., 0], s13[..., -1] = 0, 254
-    w13[..., -16:] &= 0xBB  # magnitudes <= 1.5 under 2^127
-    x = torch.randn(40, 256, generator=g, device=DEVICE)
-    x[:, :32] *= 2.0**120
-    x[:, -32:] *= 2.0**-126
-    ids = torch.randint(0, 4, (40, 2), generator=g, device=DEVICE, dtype=torch.int32)
-    ids[:, 1] = (ids[:, 0] + 1) % 4
-    weights = torch.rand(40, 2, generator=g, device=DEVICE)
-    ref = moe_reference(x, w13, s13, w2, s2, weights, ids, True)
-    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=config)
-    assert_rel_close(out, ref, tol=1e-5)
-
-
-@pytest.mark.parametrize("num_tokens", [128, 300])
-def test_int_mma_fused_shared_expert_slot_compiled(num_tokens):
-    """Kimi TP8 with its shared expert fused as expert 384 (every token's ninth pair: many blocks
-    of one expert) through the tensor-core path, against the reference."""
-    x, w13, s13, w2, s2, weights, ids = moe_inputs("kimi_tp8", num_tokens, seed=13)
-    g = torch.Generator(device=DEVICE).manual_seed(14)
-    _, _, hidden, inter = MOE_SHAPES["kimi_tp8"]
-    w13s, s13s = random_mxfp4(1, 2 * inter, hidden, g=g)
-    w2s, s2s = random_mxfp4(1, hidden, inter, g=g)
-    w13, s13, w2, s2 = (torch.cat(p) for p in ((w13, w13s), (s13, s13s), (w2, w2s), (s2, s2s)))
-    fused_w = torch.cat([weights, weights.new_ones(num_tokens, 1)], 1)
-    fused_ids = torch.cat([ids, ids.new_full((num_tokens, 1), 384)], 1)
-    out = fused_moe_mxfp4(x, w13, s13, w2, s2, fused_w, fused_ids, True, config=IntMmaConfig())
-    assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, fused_w, fused_ids, True))
