@@ -182,14 +182,13 @@ def measure(engine, prompts: list[list[int]], params, warm: int, steps: int, tag
     finish(engine, ids)
     from spec_decode.adaptive import AdaptiveDraftLength
 
-    policy = engine.draft_policy  # the steady steps an adaptive policy prices by: host part and period, ms
-    seen = policy.times.observed(len(prompts)) if isinstance(policy, AdaptiveDraftLength) else {}
-    host = {k: 1e3 * own for k, (own, _) in seen.items()}
-    period = {k: 1e3 * p for k, (_, p) in seen.items()}
+    policy = engine.draft_policy  # the host times an adaptive policy prices host-bound steps by, ms
+    host = ({k: 1e3 * t for k, t in policy.times.observed(len(prompts)).items()}
+            if isinstance(policy, AdaptiveDraftLength) else {})
     return dict(tokens_per_s=tokens / elapsed, tokens=tokens, seconds=elapsed, mean_k=sum(k0) / len(k0),
                 k_steps=dict(collections.Counter(k0)), median_step_ms=statistics.median(times) * 1e3,
                 mean_acceptance_length=spec.mean_acceptance_length if spec.num_drafts else 1.0,
-                host_ms_by_k=host, period_ms_by_k=period, **watched)
+                host_ms_by_k=host, **watched)
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
