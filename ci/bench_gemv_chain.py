@@ -24,7 +24,6 @@ Writes bench_gemv_chain.json to DIR (default $OUT or ./bench_out).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -43,14 +42,7 @@ from kernels_rocm import _pdl as pdl  # noqa: E402
 from kernels_rocm import skinny_gemm as current  # noqa: E402
 from kernels_rocm.rms_norm import rms_norm  # noqa: E402
 
-
-def load_baseline(path: Path):
-    """The baseline file as a module of the kernels_rocm package (its relative helpers resolve)."""
-    spec = importlib.util.spec_from_file_location("kernels_rocm.skinny_gemm_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+import bench_mxfp4 as bm  # noqa: E402
 
 
 def _w(*shape: int) -> torch.Tensor:
@@ -134,12 +126,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_gemv_chain: no CUDA GPU available", file=sys.stderr)
         return 2
-    import bench_mxfp4 as bm
-
     args.out.mkdir(parents=True, exist_ok=True)
     copy = bm.measure_copy_bandwidth()
     print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
-    baseline = load_baseline(args.baseline)
+    baseline = bm.load_kernel_version(args.baseline, "skinny_gemm_baseline")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "copy": copy, "baseline": str(args.baseline), "rows": []}
     for name in args.chains.split(","):

@@ -12,7 +12,6 @@ Writes bench_mla_compare.json to DIR (default $OUT or ./bench_out) and prints on
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -30,14 +29,6 @@ import torch  # noqa: E402
 import bench_mxfp4 as bm  # noqa: E402
 
 
-def load_baseline(path: Path):
-    """The baseline file as a module of the kernels_rocm package (its relative helpers resolve)."""
-    spec = importlib.util.spec_from_file_location("kernels_rocm.mla_decode_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--baseline", type=Path, required=True, help="a version of kernels_rocm/mla_decode.py")
@@ -53,7 +44,7 @@ def main() -> int:
               "copy": copy, "baseline": str(args.baseline)}
     new_fn = bm.mla_paged_attention
     runs = (("new", new_fn, bm.MLA_BATCHES, bm.MLA_CONTEXTS),
-            ("old", load_baseline(args.baseline).mla_paged_attention, bm.MLA_BATCHES, bm.MLA_CONTEXTS),
+            ("old", bm.load_kernel_version(args.baseline, "mla_decode_baseline").mla_paged_attention, bm.MLA_BATCHES, bm.MLA_CONTEXTS),
             ("new_again", new_fn, (64,), (32768,)))
     failed = False
     try:

@@ -27,6 +27,7 @@ short table last. Exit 1 if a correctness check fails.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -88,6 +89,17 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).norm() / ref.norm()).item()
+
+
+def load_kernel_version(path: Path, name: str):
+    """A saved version of a kernels_rocm module (`git show main:kernels_rocm/x.py > file`) loaded as
+    kernels_rocm.<name>, for A/B runs against this tree's: its package imports resolve, and its
+    dataclasses find their module in sys.modules."""
+    spec = importlib.util.spec_from_file_location(f"kernels_rocm.{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def measure_copy_bandwidth(num_bytes: int = 4 << 30) -> dict:
