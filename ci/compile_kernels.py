@@ -158,10 +158,6 @@ def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, deco
         _t(tokens, top_k, dtype=torch.float32), _t(tokens, top_k, dtype=torch.int32), quantize, config=config)
 
 
-def _decode_config(**fields):
-    return mxfp4_moe_decode_mod.DecodeConfig(**fields)
-
-
 def _skinny_sweep(target: str):
     """Every config ci/bench_roofline.py times on the H100. NVIDIA only: on gfx942/gfx950 six of
     the widest (block_n 32 at M 2; 8 warps with block_n x M >= 32) spill VGPRs; the defaults do not."""
@@ -209,13 +205,16 @@ CASES: dict[str, Callable[[str], None]] = {
     "MXFP4 MoE decode Kimi E384 I2048 T1 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 2048, 1, True, decode=True),
     # the W4A4 launch shapes mxfp4_moe_decode.default_config picks on NVIDIA
     "MXFP4 MoE decode Kimi TP8 T1 w4a4 loads ahead": lambda _: _mxfp4_moe(
-        384, 8, 7168, 256, 1, True, decode=_decode_config(down_ahead=4)),
+        384, 8, 7168, 256, 1, True, decode=mxfp4_moe_decode_mod.DecodeConfig(down_ahead=4)),
     "MXFP4 MoE decode Kimi TP8 T2 w4a4 2-warp tiles": lambda _: _mxfp4_moe(
-        384, 8, 7168, 256, 2, True, decode=_decode_config(gate_up_rows=4, gate_up_warps=2, down_ahead=4)),
+        384, 8, 7168, 256, 2, True,
+        decode=mxfp4_moe_decode_mod.DecodeConfig(gate_up_rows=4, gate_up_warps=2, down_ahead=4)),
     "MXFP4 MoE decode Kimi TP8 T16 w4a4 16-row tiles": lambda _: _mxfp4_moe(
-        384, 8, 7168, 256, 16, True, decode=_decode_config(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4)),
+        384, 8, 7168, 256, 16, True,
+        decode=mxfp4_moe_decode_mod.DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4)),
     "MXFP4 MoE decode Kimi E384 I2048 T1 w4a4 16-row tiles": lambda _: _mxfp4_moe(
-        384, 8, 7168, 2048, 1, True, decode=_decode_config(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4)),
+        384, 8, 7168, 2048, 1, True,
+        decode=mxfp4_moe_decode_mod.DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4)),
     # NVIDIA only: ROCm keeps the grouped GEMMs at these T (the portable integer dots spill VGPRs there)
     **{f"MXFP4 MoE expert GEMV Kimi TP8 (shared fused) T{t} w4a4": (
         lambda target, t=t: target == "sm90" and _mxfp4_moe(385, 9, 7168, 256, t, True, expert_gemv=True))
@@ -345,8 +344,6 @@ class _CompileInsteadOfLaunch:
         kwargs.setdefault("debug", False)
         if not target.is_hip and "PDL" in fn.arg_names:  # what an sm_90 launch runs (kernels_rocm._pdl)
             kwargs.update(PDL=True, launch_pdl=True)
-            if "PRELOAD" in fn.arg_names:  # skinny_gemm: with PDL, weights loaded before the wait
-                kwargs.update(PRELOAD=True)
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound_args, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)

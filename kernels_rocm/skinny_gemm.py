@@ -132,7 +132,8 @@ def _gemv_kernel(
     stride_xm: tl.int64, stride_wn: tl.int64, stride_ym: tl.int64,
     stride_xb: tl.int64, stride_wb: tl.int64, stride_yb: tl.int64,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
-    SWIGLU: tl.constexpr, BATCHED: tl.constexpr, NORM: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
+    SWIGLU: tl.constexpr, BATCHED: tl.constexpr, NORM: tl.constexpr, EARLY_WITHOUT_PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Tiles are [LANES, BLOCK_N or 1, 1 or BLOCK_M, VEC] with k = lane * VEC + v. Only the VEC axis
     # is contiguous in memory, so Triton gives it to one lane (a 16-byte vector), spreads the lane
@@ -144,10 +145,12 @@ def _gemv_kernel(
     # Kimi-K2.5 TP8's projections, K <= 2,048 at 8 warps, are one step: their whole read). The rows'
     # vectors are then live across the wait (4 registers a 16-byte vector), hence only for programs
     # of few rows and accumulators (the default shapes; the widest of bench_roofline's sweep would
-    # spill), and only where PRELOAD says PDL can overlap it: elsewhere the kernel is as it was.
-    # Everything that reads x or writes y stays after the wait.
+    # spill), and only with PDL, which can overlap it (or EARLY_WITHOUT_PDL: the CPU interpreter runs
+    # that form so that CI checks it); elsewhere the kernel is as it was. Everything that reads x or
+    # writes y stays after the wait.
     ROW_STEP_BYTES: tl.constexpr = VEC * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    EARLY: tl.constexpr = PRELOAD and BLOCK_N * ROW_STEP_BYTES <= PRELOAD_BYTES and BLOCK_N * BLOCK_M <= 16
+    EARLY: tl.constexpr = ((PDL or EARLY_WITHOUT_PDL) and BLOCK_N * ROW_STEP_BYTES <= PRELOAD_BYTES
+                           and BLOCK_N * BLOCK_M <= 16)
     if not EARLY:
         wait_for_previous_kernel(PDL)
     BLOCK_K: tl.constexpr = LANES * VEC
@@ -193,8 +196,8 @@ def _gemv_kernel(
     if EARLY:
         if k_full > 0:  # w_first is step 0, whole
             acc += _step_sum(w_first, x_ptrs, m_valid, norm_weight_ptr, rk, rstd, dtype_x, NORM)
-            acc = _steps_from(acc, BLOCK_K, k_full, K, w_ptrs, x_ptrs, m_valid, rk, norm_weight_ptr, rstd, dtype_x, NORM,
-                              BLOCK_K)
+            acc = _steps_from(acc, BLOCK_K, k_full, K, w_ptrs, x_ptrs, m_valid, rk, norm_weight_ptr, rstd, dtype_x,
+                              NORM, BLOCK_K)
         else:  # K under one step: w_first is the whole (masked) row
             k_valid = rk < K
             acc += _step_sum(w_first, x_ptrs, m_valid & k_valid, norm_weight_ptr, rk, rstd, dtype_x, NORM, k_valid)
@@ -302,14 +305,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, m: int, n: int, k
     if not (m and n_out and batch):
         return
     warp_size = 64 if IS_HIP else 32  # the tile layout needs one lane per LANES entry (CDNA: wave64)
-    launch = pdl.launch_args(x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n), batch)](
         # without the norm its arguments go as None (constexpr): the plain GEMV compiles as before
         x, w, y, norm_weight, norm_eps if norm_weight is not None else None, m, n_out, k,
         *row_strides, *(batch_strides or (0, 0, 0)),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, LANES=warp_size * config.num_warps,
         VEC=max(1, config.vector_bytes // x.element_size()), SWIGLU=swiglu, BATCHED=batch_strides is not None,
-        # the early weight load where PDL can overlap it, and under the interpreter (CI checks that form)
-        NORM=norm_weight is not None, PRELOAD=launch["PDL"] or INTERPRET,
-        num_warps=config.num_warps, **launch,
+        NORM=norm_weight is not None, EARLY_WITHOUT_PDL=INTERPRET,
+        num_warps=config.num_warps, **pdl.launch_args(x.device),
     )
