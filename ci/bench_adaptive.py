@@ -4,33 +4,38 @@ Part "forced": the Llama-3.1-8B shape, random weights (--load-format dummy: conf
 bf16, decode graphs, EAGLE3 with k at most 5 and a real random draft running every step, while
 verification accepts exactly min(m, drafted) drafts (spec_decode.testing.ForcedAcceptance), for
 m = 0..5 and batch 1/8/32/64/128: decode tokens/s without speculation, at fixed k = 1..5 and
-adaptive (spec_decode/adaptive.py). One engine per configuration, graphs captured once: the fixed
-and adaptive modes are draft policies swapped on the same speculative engine (k = j every step
-is exactly a fixed-k engine's work).
+adaptive (spec_decode/adaptive.py). Graphs are captured once: the fixed and adaptive modes are
+draft policies swapped on the same speculative engine (k = j every step is exactly a fixed-k
+engine's work); no speculation is a plain engine.
 
 Part "zoo": the SmolLM2 pair (smollm2-135m + smollm2-135m-eagle3 from $ATOM_LIKE_CACHE, as
 ci/nightly_gsm8k.sh uses them) on GSM8K questions (ShareGPT if GSM8K is not installed), at
 temperature 0 and 1: the same modes on real acceptance. Skipped, with a note, where the pair is
 not in the cache.
 
-Each point: a batch of requests prefilled, `--warm` decode steps untimed (the adaptive policy
-starts fresh and settles there), then `--steps` decode steps timed (`--zoo-steps` in the zoo part,
-whose acceptance is noisy); tokens/s = tokens generated in the timed steps / their wall time. Every
-window also records its median step, the steps that ran eagerly instead of replaying graphs, and
-the full (generation 2) garbage collections that fell inside it, the usual suspects when one
-window is slower than its neighbours.
+Each point runs the modes interleaved on one running batch (`interleaved`): a batch prefilled on
+both engines, `--warm` steps of each adaptive policy, then `--rounds` rounds in which every mode
+runs `--settle` untimed and `--window` timed steps (zoo: `--zoo-rounds`, `--zoo-window`), modes
+forwards then backwards. Why: SmolLM2's steps are host-bound, and one mode's windows minutes apart
+moved by up to 1.6x (docs/benchmarks.md section 11), more than the differences measured; turns of
+a fraction of a second put the machine's drift on every mode alike and every mode sees the same
+contexts. tokens/s = tokens generated in a mode's timed steps / their wall time. Every mode also
+records each round's tokens/s, its median step overall and per k, the steps that ran eagerly
+instead of replaying graphs, and the full (generation 2) garbage collections that fell inside its
+windows. `--policy-b FILE` adds the adaptive policy of a saved spec_decode/adaptive.py as a mode
+(`git show REV:spec_decode/adaptive.py > FILE`): two policies A/B in one run.
 
 Part "samek" (host overhead at the same k): on the SmolLM2 pair where it is cached, and on the tiny
 shape (whose steps are all host work on a GPU), windows of fixed k and of the adaptive policy
 pinned at k (its own code runs every step; flat costs make k its choice), so that the two differ
-only by the policy: `--rounds` rounds, each after a window at fixed `--k` and with fixed and
+only by the policy: `--samek-rounds` rounds, each after a window at fixed `--k` and with fixed and
 pinned first in turns (an order effect shows as the first window of a round being slower); plus
 a pattern through k = 0 (0, k, 0, k ...), whose returns from 0 ran eagerly before the first pass
 was captured at width 1. Per mode: median and mean ms a step, eager steps, and per step the torch
 ops, host reads of device values (aten::_local_scalar_dense) and, on CUDA, synchronising runtime
 calls (torch.profiler). Writes the same files.
 
-    python ci/bench_adaptive.py                 # GPU, ~6-8 min on one H100
+    python ci/bench_adaptive.py                 # GPU, ~7 min on one H100
     python ci/bench_adaptive.py --smoke         # CPU, tiny model, < 1 min (tests/test_bench_adaptive.py)
     python ci/bench_adaptive.py --parts samek --batches 1,64,128   # GPU: ~1 min
 """
@@ -48,6 +53,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength, StepCosts
+from spec_decode.stats import SpecCounts
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256)
@@ -94,14 +102,6 @@ def forced_engine(target: str, draft: str, k: int, **engine_args):
         forced.m = m
 
     return engine, set_m
-
-
-def policy_for(engine, mode: str):
-    from spec_decode.adaptive import AdaptiveDraftLength, FixedDraftLength
-
-    if mode == "adaptive":
-        return AdaptiveDraftLength(engine.runner.num_spec_tokens, engine.runner.step_costs)
-    return FixedDraftLength(int(mode.removeprefix("k=")))
 
 
 class Watch:
@@ -165,35 +165,140 @@ def timed_steps(engine, steps: int) -> tuple[list[float], list[int], dict]:
     return times, ks, watch.close()
 
 
-def measure(engine, prompts: list[list[int]], params, warm: int, steps: int, tag: str) -> dict:
-    """Tokens/s over `steps` decode steps after `warm` untimed ones (prefill included in those)."""
-    ids = prefill(engine, prompts, params, tag)
-    running = engine.scheduler.running
+class Rotation(DraftLengthPolicy):
+    """The speculative engine's policy through a whole point, while the modes take turns on it: the
+    current mode's policy chooses, and each step's verifications go to the policy that chose it,
+    numbered in its own steps (0, 1, 2 ...). So an adaptive policy's acceptance weights decay over
+    its own steps only, as if the other windows had not run between its own. Its step samples are
+    dropped for the first two steps of a window: the first spans the other windows since its last."""
 
-    def generated() -> int:
-        return sum(s.num_generated for s in running)
+    FRESH_STEPS = 2
 
-    for _ in range(warm):
+    def __init__(self, policies: dict[str, DraftLengthPolicy]):
+        self.policies = policies
+        self.max_drafts = max(p.max_drafts for p in policies.values())
+        self.mode, self._fresh = next(iter(policies)), 0
+        self._chooser: dict[int, tuple[str, int]] = {}  # engine step -> (the mode that chose it, its own step)
+        self._steps = collections.Counter()
+
+    def switch(self, mode: str) -> None:
+        self.mode, self._fresh = mode, self.FRESH_STEPS
+
+    def choose(self, step: int, num_seqs: int) -> int:
+        own = self._steps[self.mode]
+        self._steps[self.mode] += 1
+        self._chooser[step] = (self.mode, own)
+        self._chooser.pop(step - 16, None)  # observed long since (two steps of lag)
+        self._fresh -= 1
+        return self.policies[self.mode].choose(own, num_seqs)
+
+    def observe(self, step: int, drafted: int, accepted: int) -> None:
+        if step in self._chooser:  # (not the prefill's steps)
+            mode, own = self._chooser[step]
+            self.policies[mode].observe(own, drafted, accepted)
+
+    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
+        if self._fresh < 0:
+            self.policies[self.mode].observe_step(num_seqs, k, host_seconds, period_seconds)
+
+
+def window(engine, settle: int, steps: int) -> dict:
+    """`settle` untimed steps (the pipeline and a policy's two-step lag turn over to this window's
+    mode), then `steps` timed ones: tokens collected, seconds (to the device's end of the last
+    step), each step's period and k, speculation counts, eager steps and full GCs."""
+    for _ in range(settle):
         engine.step()
-    spec0, before = engine.spec_stats.snapshot(), generated()
-    times, k0, watched = timed_steps(engine, steps)
-    elapsed, tokens = sum(times), generated() - before
-    spec = engine.spec_stats.snapshot().minus(spec0)
-    finish(engine, ids)
-    from spec_decode.adaptive import AdaptiveDraftLength
+    running = engine.scheduler.running
+    before, spec0 = sum(s.num_generated for s in running), engine.spec_stats.snapshot()
+    watch, times, ks = Watch(engine), [], []
+    last = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+        ks.append(engine.scheduler.num_drafts_in_flight)
+    sync()  # (no sync before: the first timed step follows a settled one)
+    times[-1] += time.perf_counter() - last
+    return dict(tokens=sum(s.num_generated for s in running) - before, times=times, ks=ks,
+                spec=engine.spec_stats.snapshot().minus(spec0), **watch.close())
 
-    policy = engine.draft_policy  # the host times an adaptive policy prices host-bound steps by, ms
-    host = ({k: 1e3 * t for k, t in policy.times.observed(len(prompts)).items()}
-            if isinstance(policy, AdaptiveDraftLength) else {})
-    return dict(tokens_per_s=tokens / elapsed, tokens=tokens, seconds=elapsed, mean_k=sum(k0) / len(k0),
-                k_steps=dict(collections.Counter(k0)), median_step_ms=statistics.median(times) * 1e3,
+
+def interleaved(plain, spec, policies: dict[str, DraftLengthPolicy], prompts: list[list[int]], params, args,
+                tag: str) -> dict[str, dict]:
+    """Every mode on one running batch, in turns: "off" on the plain engine (its own copy of the
+    batch), the others as policies of `spec`. `args.rounds` rounds, modes forwards then backwards,
+    each mode `args.window` timed steps a round after `args.settle` untimed ones; `args.warm` steps
+    of each adaptive policy first (a server's policy has seen steps before). Drift of the
+    machine (host-bound steps moved by up to 1.6x between windows minutes apart) then falls on every
+    mode alike. Per mode: tokens/s over all its timed steps, each round's, the median step overall
+    and per k (steps at the k of the step before), and what each adaptive policy priced steps by."""
+    modes = ["off", *policies]
+    rotation = Rotation(policies)
+    spec.draft_policy = rotation
+    ids = {"off": prefill(plain, prompts, params, f"{tag}p"), "spec": prefill(spec, prompts, params, f"{tag}s")}
+    for mode in [m for m in policies if m.startswith("adaptive")]:
+        rotation.switch(mode)
+        for _ in range(args.warm):
+            spec.step()
+    windows = {mode: [] for mode in modes}
+    for rnd in range(args.rounds):
+        for mode in modes if rnd % 2 == 0 else modes[::-1]:
+            if mode != "off":
+                rotation.switch(mode)
+            windows[mode].append(window(plain if mode == "off" else spec, args.settle, args.window))
+    finish(plain, ids["off"])
+    finish(spec, ids["spec"])
+    return {mode: summarize(ws, policies.get(mode), len(prompts)) for mode, ws in windows.items()}
+
+
+def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: int) -> dict:
+    times = [t for w in windows for t in w["times"]]
+    ks = [k for w in windows for k in w["ks"]]
+    by_k = collections.defaultdict(list)
+    for w in windows:
+        for prev, k, t in zip([None, *w["ks"]], w["ks"], w["times"]):
+            if prev == k:
+                by_k[k].append(t)
+    spec = windows[0]["spec"]
+    for w in windows[1:]:
+        spec = SpecCounts(spec.num_drafts + w["spec"].num_drafts, 0, spec.num_accepted_tokens + w["spec"].num_accepted_tokens)
+    tokens, seconds = sum(w["tokens"] for w in windows), sum(times)
+    adaptive = policy is not None and not isinstance(policy, FixedDraftLength)
+    seen = policy.times.observed(num_seqs) if adaptive else {}  # the steady steps an adaptive policy priced by
+    return dict(tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds, mean_k=sum(ks) / len(ks),
+                k_steps=dict(collections.Counter(ks)), median_step_ms=statistics.median(times) * 1e3,
+                median_step_ms_by_k={k: statistics.median(v) * 1e3 for k, v in sorted(by_k.items())},
                 mean_acceptance_length=spec.mean_acceptance_length if spec.num_drafts else 1.0,
-                host_ms_by_k=host, **watched)
+                round_tokens_per_s=[w["tokens"] / sum(w["times"]) for w in windows],
+                host_ms_by_k={k: 1e3 * own for k, (own, _) in seen.items()},
+                period_ms_by_k={k: 1e3 * p for k, (_, p) in seen.items()},
+                eager_steps=sum(w["eager_steps"] for w in windows), gc2=sum(w["gc2"] for w in windows),
+                gc2_ms=sum(w["gc2_ms"] for w in windows))
+
+
+def policies_for(engine, args) -> dict[str, DraftLengthPolicy]:
+    """Fixed k = 1..args.k and the adaptive policy; with --policy-b the adaptive policy of that saved
+    version of spec_decode/adaptive.py too, as "adaptive-<name>" (an A/B in one run)."""
+    k, costs = engine.runner.num_spec_tokens, engine.runner.step_costs
+    policies: dict[str, DraftLengthPolicy] = {f"k={j}": FixedDraftLength(j) for j in range(1, k + 1)}
+    policies["adaptive"] = AdaptiveDraftLength(k, costs)
+    if args.policy_b:
+        from bench_mxfp4 import load_kernel_version
+
+        module = load_kernel_version(Path(args.policy_b), f"adaptive_{args.policy_b_name}", package="spec_decode")
+        policies[f"adaptive-{args.policy_b_name}"] = module.AdaptiveDraftLength(k, costs)
+    return policies
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+def tokens_per_request(args, num_modes: int, k: int) -> int:
+    """Generated tokens a request of an interleaved point needs at most (every step accepting all)."""
+    return (args.warm + args.rounds * (args.settle + args.window) * num_modes + 8) * (k + 1)
 
 
 def run_forced(args, out: dict) -> None:
@@ -202,22 +307,14 @@ def run_forced(args, out: dict) -> None:
     shape, dtype = (TINY, "float32") if args.smoke else (LLAMA_8B, "bfloat16")
     target, draft = write_configs(Path(tempfile.mkdtemp()), shape, dtype)
     k, batches, ms = args.k, args.batches, list(range(args.k + 1))
-    max_tokens = (args.warm + args.steps + 4) * (k + 1)
+    max_tokens = tokens_per_request(args, k + 2, k)  # the fixed ks and up to two adaptive policies
     common = dict(load_format="dummy", max_model_len=args.prompt_len + max_tokens + 2 * k + 16,
                   max_num_seqs=max(batches), enable_prefix_caching=False)
-    if not args.smoke:
-        common.update(gpu_memory_utilization=0.85)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rows = out.setdefault("forced", [])
-    plain = LLMEngine(target, **common)
-    for bs in batches:
-        prompts = random_prompts(bs, args.prompt_len, shape["vocab_size"], bs)
-        r = measure(plain, prompts, params, args.warm, args.steps, f"plain{bs}")
-        rows += [dict(batch=bs, forced=m, mode="off", **r) for m in ms]  # acceptance does not apply
-        print(f"forced batch {bs}: no speculation {r['tokens_per_s']:.1f} tok/s", flush=True)
-    del plain
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    spec, set_m = forced_engine(target, draft, k, **common)
+    # both engines stay up (the plain one needs a batch's KV for the "off" windows alone)
+    plain = LLMEngine(target, **common, **({} if args.smoke else dict(gpu_memory_utilization=0.25)))
+    spec, set_m = forced_engine(target, draft, k, **common, **({} if args.smoke else dict(gpu_memory_utilization=0.65)))
     gc.collect()
     gc.freeze()  # as the server does once its engine is built
     out["meta"]["step_costs"] = dict(source=spec.runner.step_costs.source, buckets=spec.runner.step_costs.buckets,
@@ -226,13 +323,11 @@ def run_forced(args, out: dict) -> None:
         prompts = random_prompts(bs, args.prompt_len, shape["vocab_size"], bs)
         for m in ms:
             set_m(m)
-            for mode in [f"k={j}" for j in range(1, k + 1)] + ["adaptive"]:
-                spec.draft_policy = policy_for(spec, mode)
-                r = measure(spec, prompts, params, args.warm, args.steps, f"{mode}{bs}m{m}")
+            for mode, r in interleaved(plain, spec, policies_for(spec, args), prompts, params, args, f"b{bs}m{m}").items():
                 rows.append(dict(batch=bs, forced=m, mode=mode, **r))
             line = [r for r in rows if r["batch"] == bs and r["forced"] == m]
             print(f"forced batch {bs} m={m}: " + ", ".join(f"{r['mode']} {r['tokens_per_s']:.0f}" for r in line), flush=True)
-    del spec
+    del plain, spec
     gc.unfreeze()  # a frozen engine's reference cycles are never collected: its GPU memory would stay held
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -270,35 +365,25 @@ def run_zoo(args, out: dict) -> None:
         return
     target, draft = pair
     k, batches = args.k, args.batches
-    max_tokens = (args.warm + args.zoo_steps + 4) * (k + 1)
-    common = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=max(batches), enable_prefix_caching=False,
-                  gpu_memory_utilization=0.4)
+    zoo = argparse.Namespace(**{**vars(args), "rounds": args.zoo_rounds, "window": args.zoo_window})
+    max_tokens = tokens_per_request(zoo, k + 2, k)
+    common = dict(dtype="bfloat16", max_model_len=max_tokens + 1024, max_num_seqs=max(batches), enable_prefix_caching=False)
     rows = out.setdefault("zoo", [])
-    plain = LLMEngine(target, **common)
+    plain = LLMEngine(target, **common, gpu_memory_utilization=0.2)
     prompts = zoo_prompts(plain, max(batches))
     if prompts is None:
         out["meta"]["zoo_skipped"] = "no GSM8K or ShareGPT prompts installed"
         return
     spec = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, speculative_adaptive=True,
-                     **common)
+                     **common, gpu_memory_utilization=0.4)
     gc.collect()
     gc.freeze()  # as the server does once its engine is built: full collections skip the start-up heap
-    modes = ["off"] + [f"k={j}" for j in range(1, k + 1)] + ["adaptive"]
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=None)
         for bs in batches:
-            batch, runs = prompts[:bs], {mode: [] for mode in modes}
-            for rnd in range(args.zoo_rounds):  # every mode once a round, in turns forwards and backwards
-                for mode in modes if rnd % 2 == 0 else modes[::-1]:
-                    engine = plain if mode == "off" else spec
-                    if mode != "off":
-                        spec.draft_policy = policy_for(spec, mode)
-                    runs[mode].append(measure(engine, batch, params, args.warm, args.zoo_steps,
-                                              f"z{mode}{bs}t{temperature}r{rnd}"))
-            for mode in modes:  # the round with the median tokens/s stands for the mode; all rounds' tokens/s kept
-                ranked = sorted(runs[mode], key=lambda r: r["tokens_per_s"])
-                rows.append(dict(batch=bs, temperature=temperature, mode=mode, **ranked[(len(ranked) - 1) // 2],
-                                 round_tokens_per_s=[r["tokens_per_s"] for r in runs[mode]]))
+            for mode, r in interleaved(plain, spec, policies_for(spec, args), prompts[:bs], params, zoo,
+                                       f"z{bs}t{temperature}").items():
+                rows.append(dict(batch=bs, temperature=temperature, mode=mode, **r))
             line = [r for r in rows if r["batch"] == bs and r["temperature"] == temperature]
             print(f"zoo T={temperature} batch {bs}: " + ", ".join(f"{r['mode']} {r['tokens_per_s']:.0f}" for r in line),
                   flush=True)
@@ -323,8 +408,6 @@ def samek_policy(engine, mode: str, k: int):
     """fixed (and heavy): FixedDraftLength(k); pinned: the adaptive policy with flat step costs, so
     that more drafts always pay and it chooses k every step while its bookkeeping runs as usual;
     zero: 0, k, 0, k ..."""
-    from spec_decode.adaptive import AdaptiveDraftLength, FixedDraftLength, StepCosts
-
     if mode in ("fixed", "heavy"):
         return FixedDraftLength(k)
     if mode == "pinned":
@@ -364,7 +447,7 @@ def run_samek(args, out: dict) -> None:
     from atom_like import LLMEngine, SamplingParams
 
     k_max = max(args.k, *args.samek_k)  # the engine's k, that of each round's first ("heavy") window
-    max_tokens = (args.warm + args.zoo_steps + 16) * (k_max + 1)  # a window's requests: prefill, warm, timed, profiled
+    max_tokens = (args.warm + args.samek_steps + 16) * (k_max + 1)  # a window's requests: prefill, warm, timed, profiled
     engines = []
     pair = resolve_zoo_pair()  # the real pair where it is cached (the one docs/benchmarks.md 11 measured)
     if isinstance(pair, str):
@@ -391,7 +474,7 @@ def run_samek(args, out: dict) -> None:
             for k in args.samek_k:
                 if name == "tiny":
                     set_m(k)  # every draft accepted: fixed and pinned see the same acceptance
-                for rnd in range(args.rounds):
+                for rnd in range(args.samek_rounds):
                     # each round starts after a window at the largest k (as the zoo part's adaptive window
                     # follows k = 5) and alternates which of fixed and pinned comes first: an order
                     # effect shows as the first window being slower whatever its mode
@@ -402,7 +485,7 @@ def run_samek(args, out: dict) -> None:
                         ids = prefill(engine, prompts, params, f"s{name}{bs}{k}{mode}{rnd}")
                         for _ in range(args.warm):
                             engine.step()
-                        times, ks, watched = timed_steps(engine, args.zoo_steps)
+                        times, ks, watched = timed_steps(engine, args.samek_steps)
                         row = dict(engine=name, batch=bs, k=k, mode=mode, round=rnd, first=mode == order[0],
                                    median_step_ms=statistics.median(times) * 1e3, mean_step_ms=sum(times) / len(times) * 1e3,
                                    k_steps=dict(collections.Counter(ks)), **watched)
@@ -450,7 +533,8 @@ def samek_markdown(rows: list[dict]) -> list[str]:
 # ----------------------------------------------------------------------------- reporting
 
 def verdicts(rows: list[dict], key: str) -> list[dict]:
-    """Per point: adaptive vs no speculation and vs the best fixed k (the issue's goals: >= 0.98x, >= 0.95x)."""
+    """Per point and adaptive mode: it against no speculation and the best fixed k (the issue's
+    goals: >= 0.98x, >= 0.95x)."""
     points = {}
     for r in rows:
         points.setdefault((r["batch"], r[key]), {})[r["mode"]] = r
@@ -458,42 +542,46 @@ def verdicts(rows: list[dict], key: str) -> list[dict]:
     for (bs, x), modes in sorted(points.items()):
         fixed = {m: r for m, r in modes.items() if m.startswith("k=")}
         best = max(fixed, key=lambda m: fixed[m]["tokens_per_s"])
-        a = modes["adaptive"]["tokens_per_s"]
-        out.append(dict(batch=bs, **{key: x}, off=modes["off"]["tokens_per_s"], best_fixed=best,
-                        best_fixed_tps=fixed[best]["tokens_per_s"], adaptive=a, adaptive_k=modes["adaptive"]["mean_k"],
-                        vs_off=a / modes["off"]["tokens_per_s"], vs_best=a / fixed[best]["tokens_per_s"]))
+        for mode in [m for m in modes if m.startswith("adaptive")]:
+            a = modes[mode]["tokens_per_s"]
+            out.append(dict(batch=bs, **{key: x}, policy=mode, off=modes["off"]["tokens_per_s"], best_fixed=best,
+                            best_fixed_tps=fixed[best]["tokens_per_s"], adaptive=a, adaptive_k=modes[mode]["mean_k"],
+                            vs_off=a / modes["off"]["tokens_per_s"], vs_best=a / fixed[best]["tokens_per_s"]))
     return out
 
 
 def markdown(out: dict) -> str:
     meta = out["meta"]
     lines = [f"### Adaptive draft length ({meta['device']}, {meta['date']})", "",
-             f"`{meta['command']}`; k at most {meta['k']}; {meta['warm']} warm + {meta['steps']} timed decode steps a point "
-             f"(zoo: {meta['zoo_steps']}, the median of {meta['zoo_rounds']} rounds); "
+             f"`{meta['command']}`; k at most {meta['k']}; modes interleaved on one batch a point: {meta['warm']} steps of "
+             f"each adaptive policy first, then {meta['rounds']} turns a mode of {meta['settle']} untimed + {meta['window']} timed steps "
+             f"(zoo: {meta['zoo_rounds']} turns of {meta['zoo_window']}); "
              f"step costs: {meta.get('step_costs', {}).get('source', '-')}.", ""]
     for part, key, title in (("forced", "forced", "forced accepted drafts m"), ("zoo", "temperature", "temperature")):
         if not out.get(part):
             continue
         modes = list(dict.fromkeys(r["mode"] for r in out[part]))
+        policies = [m for m in modes if m.startswith("adaptive")]
         lines += [f"#### {part}: tokens/s ({title})", "",
                   f"| batch | {title} | " + " | ".join("no spec" if m == "off" else m for m in modes)
-                  + " | adaptive mean k | adaptive / no spec | adaptive / best fixed |",
-                  "|---|---|" + "---|" * (len(modes) + 3)]
-        v = {(r["batch"], r[key]): r for r in verdicts(out[part], key)}
+                  + "".join(f" | {p}: mean k, / no spec, / best fixed" for p in policies) + " |",
+                  "|---|---|" + "---|" * (len(modes) + len(policies))]
+        v = {(r["batch"], r[key], r["policy"]): r for r in verdicts(out[part], key)}
         points = {}
         for r in out[part]:
             points.setdefault((r["batch"], r[key]), {})[r["mode"]] = r["tokens_per_s"]
         for (bs, x), tps in sorted(points.items()):
-            ver = v[bs, x]
-            lines.append(f"| {bs} | {x} | " + " | ".join(f"{tps[m]:.0f}" for m in modes)
-                         + f" | {ver['adaptive_k']:.2f} | {ver['vs_off']:.2f}x | {ver['vs_best']:.2f}x ({ver['best_fixed']}) |")
-        worst_off = min(r["vs_off"] for r in v.values())
-        worst_best = min(r["vs_best"] for r in v.values())
-        lines += ["", f"Worst point: adaptive {worst_off:.2f}x no speculation (goal >= 0.98x), "
-                      f"{worst_best:.2f}x the best fixed k (goal >= 0.95x).", ""]
+            cells = [f"{v[bs, x, p]['adaptive_k']:.2f}, {v[bs, x, p]['vs_off']:.2f}x, {v[bs, x, p]['vs_best']:.2f}x "
+                     f"({v[bs, x, p]['best_fixed']})" for p in policies]
+            lines.append(f"| {bs} | {x} | " + " | ".join(f"{tps[m]:.0f}" for m in modes) + "".join(f" | {c}" for c in cells) + " |")
+        lines.append("")
+        for p in policies:
+            mine = [r for r in v.values() if r["policy"] == p]
+            lines.append(f"Worst point of {p}: {min(r['vs_off'] for r in mine):.2f}x no speculation (goal >= 0.98x), "
+                         f"{min(r['vs_best'] for r in mine):.2f}x the best fixed k (goal >= 0.95x).")
         odd = [f"batch {r['batch']} {key} {r[key]} {r['mode']}: {r['eager_steps']} eager steps, {r['gc2']} full GCs "
                f"({r['gc2_ms']:.0f} ms), k {r['k_steps']}" for r in out[part] if r["eager_steps"] or r["gc2"]]
-        lines += ["Timed windows with eager steps or full garbage collections: " + ("; ".join(odd) or "none"), ""]
+        lines += ["", "Timed windows with eager steps or full garbage collections: " + ("; ".join(odd) or "none"), ""]
     if out.get("samek"):
         lines += samek_markdown(out["samek"])
     if meta.get("zoo_skipped"):
@@ -520,7 +608,8 @@ def plot(out: dict, path: Path) -> bool:
         rows = [r for r in out[part] if r[key] == x]
         for mode in dict.fromkeys(r["mode"] for r in rows):
             pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["mode"] == mode)
-            style = dict(linewidth=2.5, color="black") if mode == "adaptive" else dict(linestyle="--" if mode == "off" else "-")
+            style = (dict(linewidth=2.5, color="black" if mode == "adaptive" else "grey") if mode.startswith("adaptive")
+                     else dict(linestyle="--" if mode == "off" else "-"))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
                     label="no speculation" if mode == "off" else mode, **style)
         ax.set_xscale("log", base=2)
@@ -544,18 +633,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", default="forced,zoo")
     parser.add_argument("--k", type=int, default=5, help="the most drafts a step proposes")
     parser.add_argument("--batches", default="1,8,32,64,128")
-    parser.add_argument("--warm", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--zoo-steps", type=int, default=48, help="timed steps of a zoo or samek window (real acceptance is noisy)")
+    parser.add_argument("--warm", type=int, default=10, help="steps of the adaptive policy before a point's rounds (samek: untimed steps a window)")
+    parser.add_argument("--rounds", type=int, default=4, help="forced: turns of every mode a point")
+    parser.add_argument("--window", type=int, default=10, help="forced: timed steps of a mode's turn")
+    parser.add_argument("--settle", type=int, default=3, help="untimed steps opening every turn")
+    parser.add_argument("--zoo-rounds", type=int, default=6, help="zoo: turns of every mode a point")
+    parser.add_argument("--zoo-window", type=int, default=24, help="zoo: timed steps of a mode's turn (real acceptance is noisy)")
+    parser.add_argument("--policy-b", help="a saved spec_decode/adaptive.py whose AdaptiveDraftLength runs as one more mode")
+    parser.add_argument("--policy-b-name", default="b", help="its mode is adaptive-<this>")
     parser.add_argument("--samek-k", default="1,2,3", help="the ks of the samek part")
-    parser.add_argument("--zoo-rounds", type=int, default=3, help="zoo: windows of each mode a point (median kept)")
-    parser.add_argument("--rounds", type=int, default=2, help="samek: rounds of fixed and pinned windows per point, in turns first")
+    parser.add_argument("--samek-rounds", type=int, default=2, help="samek: rounds of fixed and pinned windows per point, in turns first")
+    parser.add_argument("--samek-steps", type=int, default=48, help="samek: timed steps a window")
     parser.add_argument("--prompt-len", type=int, default=64)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.k, args.batches, args.warm, args.steps, args.prompt_len = 2, "1,4", 3, 3, 8
+        args.k, args.batches, args.warm, args.prompt_len = 2, "1,4", 3, 8
         args.parts = "samek" if args.parts == "samek" else "forced"
-        args.zoo_steps, args.samek_k, args.rounds = 4, "2", 1
+        args.rounds, args.window, args.settle = 2, 3, 2
+        args.samek_steps, args.samek_k, args.samek_rounds = 4, "2", 1
         if args.parts == "samek":
             args.batches = "4"
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -563,7 +658,8 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    out = dict(meta=dict(device=device, date=time.strftime("%Y-%m-%d"), k=args.k, warm=args.warm, steps=args.steps, zoo_steps=args.zoo_steps, zoo_rounds=args.zoo_rounds,
+    out = dict(meta=dict(device=device, date=time.strftime("%Y-%m-%d"), k=args.k, warm=args.warm, rounds=args.rounds, window=args.window, settle=args.settle,
+                         zoo_rounds=args.zoo_rounds, zoo_window=args.zoo_window, policy_b=args.policy_b,
                          command=" ".join(["python ci/bench_adaptive.py", *(sys.argv[1:] if argv is None else argv)])))
     start = time.perf_counter()
     if "forced" in args.parts:

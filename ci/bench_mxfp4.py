@@ -91,11 +91,11 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def load_kernel_version(path: Path, name: str):
-    """A saved version of a kernels_rocm module (`git show main:kernels_rocm/x.py > file`) loaded as
-    kernels_rocm.<name>, for A/B runs against this tree's: its package imports resolve, and its
+def load_kernel_version(path: Path, name: str, package: str = "kernels_rocm"):
+    """A saved version of a module of `package` (`git show main:kernels_rocm/x.py > file`) loaded as
+    <package>.<name>, for A/B runs against this tree's: its package imports resolve, and its
     dataclasses find their module in sys.modules."""
-    spec = importlib.util.spec_from_file_location(f"kernels_rocm.{name}", path)
+    spec = importlib.util.spec_from_file_location(f"{package}.{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

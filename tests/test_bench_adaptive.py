@@ -1,6 +1,6 @@
 """ci/bench_adaptive.py --smoke: the benchmark's whole path (dummy-weight Llama target and EAGLE3
-draft, forced acceptance, the plain engine, fixed-k and adaptive policies swapped on one engine,
-the JSON / markdown / PNG) on a tiny fp32 model on CPU. ~30 s."""
+draft, forced acceptance, the plain engine, fixed-k and adaptive policies taking turns on one
+running batch, the JSON / markdown / PNG) on a tiny fp32 model on CPU. ~30 s."""
 from __future__ import annotations
 
 import json
@@ -13,20 +13,26 @@ import bench_adaptive  # noqa: E402
 
 def test_smoke_writes_every_point(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
-    out = bench_adaptive.main(["--smoke"])
+    # policy B: this tree's own policy file, as an A/B run loads a saved one
+    policy_b = Path(__file__).resolve().parents[1] / "spec_decode" / "adaptive.py"
+    out = bench_adaptive.main(["--smoke", "--policy-b", str(policy_b), "--policy-b-name", "same"])
     rows = out["forced"]
-    # batches 1, 4 x forced m 0..2 x (no speculation, k=1, k=2, adaptive)
-    assert len(rows) == 2 * 3 * 4 and all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    # batches 1, 4 x forced m 0..2 x (no speculation, k=1, k=2, adaptive, adaptive-same)
+    assert len(rows) == 2 * 3 * 5 and all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(len(r["round_tokens_per_s"]) == 2 and r["eager_steps"] == 0 for r in rows)  # --smoke: 2 turns a mode
     for r in rows:
         if r["mode"].startswith("k="):
             assert r["mean_k"] == int(r["mode"][2:])
             assert r["mean_acceptance_length"] == 1 + min(r["forced"], r["mean_k"])  # forced acceptance holds
     # the policy follows the forced acceptance: no drafts when none is accepted, all of them when all are
-    adaptive = {(r["batch"], r["forced"]): r["mean_k"] for r in rows if r["mode"] == "adaptive"}
-    assert adaptive[1, 0] == 0 and adaptive[1, 2] == 2
-    assert len(out["forced_verdicts"]) == 6
+    # (each adaptive policy learns from the steps it chose alone, the other modes' turns between them)
+    for mode in ("adaptive", "adaptive-same"):
+        adaptive = {(r["batch"], r["forced"]): r["mean_k"] for r in rows if r["mode"] == mode}
+        assert adaptive[1, 0] == 0 and adaptive[1, 2] == 2
+    assert len(out["forced_verdicts"]) == 6 * 2
     assert json.loads((tmp_path / "bench_adaptive.json").read_text())["meta"]["k"] == 2
-    assert "adaptive / best fixed" in (tmp_path / "bench_adaptive.md").read_text()
+    text = (tmp_path / "bench_adaptive.md").read_text()
+    assert "adaptive: mean k, / no spec, / best fixed" in text and "Worst point of adaptive-same" in text
     assert (tmp_path / "bench_adaptive.png").stat().st_size > 0
 
 
@@ -44,3 +50,37 @@ def test_smoke_samek_same_work_at_the_same_k(tmp_path, monkeypatch):
     assert modes["fixed"]["ops_per_step"] == modes["pinned"]["ops_per_step"]
     assert 0 < modes["pinned"]["python_calls_per_step"] - modes["fixed"]["python_calls_per_step"] < 200  # the policy's own
     assert "pinned / fixed" in (tmp_path / "bench_adaptive.md").read_text()
+
+
+class _Recorder(bench_adaptive.DraftLengthPolicy):
+    def __init__(self, k: int):
+        self.max_drafts, self.k, self.chosen, self.seen, self.steps = k, k, [], [], []
+
+    def choose(self, step: int, num_seqs: int) -> int:
+        self.chosen.append(step)
+        return self.k
+
+    def observe(self, step: int, drafted: int, accepted: int) -> None:
+        self.seen.append((step, drafted, accepted))
+
+    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
+        self.steps.append(k)
+
+
+def test_rotation_numbers_each_policy_by_its_own_steps():
+    """Turns of two policies on one engine: each sees its own steps numbered 0, 1, 2 ... and the
+    verifications of those steps only, whenever they arrive; step samples skip a turn's first two."""
+    a, b = _Recorder(1), _Recorder(2)
+    rotation = bench_adaptive.Rotation({"a": a, "b": b})
+    engine_step = 0
+    for mode, steps in (("a", 3), ("b", 3), ("a", 3)):
+        rotation.switch(mode)
+        for _ in range(steps):
+            assert rotation.choose(engine_step, 4) == {"a": 1, "b": 2}[mode]
+            rotation.observe(engine_step - 1, 9, 9)  # the step before's verification (the one in flight)
+            rotation.observe_step(4, 7, 1.0, 1.0)
+            engine_step += 1
+    assert a.chosen == [0, 1, 2, 3, 4, 5] and b.chosen == [0, 1, 2]
+    # engine steps 2 (a), 5 (b) arrive in the other's turn and still go to their chooser; step -1 is nobody's
+    assert [s for s, _, _ in a.seen] == [0, 1, 2, 3, 4] and [s for s, _, _ in b.seen] == [0, 1, 2]
+    assert len(a.steps) == 2 and len(b.steps) == 1  # 3 steps a turn, the first 2 of each skipped
