@@ -14,7 +14,7 @@ temperature 0 and 1: the same modes on real acceptance. Skipped, with a note, wh
 not in the cache.
 
 Each point runs the modes interleaved on one running batch (`interleaved`): a batch prefilled on
-both engines, `--warm` steps of each adaptive policy, then `--rounds` rounds in which every mode
+both engines, `--warm` untimed steps of every mode, then `--rounds` rounds in which every mode
 runs `--settle` untimed and `--window` timed steps (zoo: `--zoo-rounds`, `--zoo-window`), modes
 forwards then backwards. Why: SmolLM2's steps are host-bound, and one mode's windows minutes apart
 moved by up to 1.6x (docs/benchmarks.md section 11), more than the differences measured; turns of
@@ -228,8 +228,9 @@ def interleaved(plain, spec, policies: dict[str, DraftLengthPolicy], prompts: li
                 tag: str) -> dict[str, dict]:
     """Every mode on one running batch, in turns: "off" on the plain engine (its own copy of the
     batch), the others as policies of `spec`. `args.rounds` rounds, modes forwards then backwards,
-    each mode `args.window` timed steps a round after `args.settle` untimed ones; `args.warm` steps
-    of each adaptive policy first (a server's policy has seen steps before). Drift of the
+    each mode `args.window` timed steps a round after `args.settle` untimed ones; `args.warm` untimed
+    steps of every mode first (first uses of what the graphs leave out; a server's policy has seen
+    steps before). Drift of the
     machine (host-bound steps moved by up to 1.6x between windows minutes apart) then falls on every
     mode alike. Per mode: tokens/s over all its timed steps, each round's, the median step overall
     and per k (steps at the k of the step before), and what each adaptive policy priced steps by."""
@@ -237,16 +238,21 @@ def interleaved(plain, spec, policies: dict[str, DraftLengthPolicy], prompts: li
     rotation = Rotation(policies)
     spec.draft_policy = rotation
     ids = {"off": prefill(plain, prompts, params, f"{tag}p"), "spec": prefill(spec, prompts, params, f"{tag}s")}
-    for mode in [m for m in policies if m.startswith("adaptive")]:
-        rotation.switch(mode)
+    for mode in modes:  # untimed: lazy first uses (kernels outside the graphs) and the policies' first steps
+        if mode != "off":
+            rotation.switch(mode)
         for _ in range(args.warm):
-            spec.step()
+            (plain if mode == "off" else spec).step()
     windows = {mode: [] for mode in modes}
     for rnd in range(args.rounds):
         for mode in modes if rnd % 2 == 0 else modes[::-1]:
             if mode != "off":
                 rotation.switch(mode)
             windows[mode].append(window(plain if mode == "off" else spec, args.settle, args.window))
+    for engine in (plain, spec):  # a request that ran out of max_tokens would have shrunk the batch
+        if len(engine.scheduler.running) != len(prompts):
+            raise RuntimeError(f"{tag}: {len(engine.scheduler.running)} of {len(prompts)} requests still running: "
+                               "raise max_tokens or lower --rounds / --window")
     finish(plain, ids["off"])
     finish(spec, ids["spec"])
     return {mode: summarize(ws, policies.get(mode), len(prompts)) for mode, ws in windows.items()}
@@ -265,14 +271,16 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
         spec = SpecCounts(spec.num_drafts + w["spec"].num_drafts, 0, spec.num_accepted_tokens + w["spec"].num_accepted_tokens)
     tokens, seconds = sum(w["tokens"] for w in windows), sum(times)
     adaptive = policy is not None and not isinstance(policy, FixedDraftLength)
-    seen = policy.times.observed(num_seqs) if adaptive else {}  # the steady steps an adaptive policy priced by
+    # the steady steps an adaptive policy priced by: (host part, period), or the host part alone (a
+    # --policy-b saved before periods were kept)
+    seen = {k: v if isinstance(v, tuple) else (v, None) for k, v in policy.times.observed(num_seqs).items()} if adaptive else {}
     return dict(tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds, mean_k=sum(ks) / len(ks),
                 k_steps=dict(collections.Counter(ks)), median_step_ms=statistics.median(times) * 1e3,
                 median_step_ms_by_k={k: statistics.median(v) * 1e3 for k, v in sorted(by_k.items())},
                 mean_acceptance_length=spec.mean_acceptance_length if spec.num_drafts else 1.0,
                 round_tokens_per_s=[w["tokens"] / sum(w["times"]) for w in windows],
                 host_ms_by_k={k: 1e3 * own for k, (own, _) in seen.items()},
-                period_ms_by_k={k: 1e3 * p for k, (_, p) in seen.items()},
+                period_ms_by_k={k: 1e3 * p for k, (_, p) in seen.items() if p is not None},
                 eager_steps=sum(w["eager_steps"] for w in windows), gc2=sum(w["gc2"] for w in windows),
                 gc2_ms=sum(w["gc2_ms"] for w in windows))
 
@@ -291,14 +299,20 @@ def policies_for(engine, args) -> dict[str, DraftLengthPolicy]:
     return policies
 
 
+def step_costs(engine) -> dict:
+    costs = engine.runner.step_costs
+    return dict(source=costs.source, buckets=costs.buckets, seconds=costs.seconds)
+
+
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(batch)]
 
 
-def tokens_per_request(args, num_modes: int, k: int) -> int:
-    """Generated tokens a request of an interleaved point needs at most (every step accepting all)."""
-    return (args.warm + args.rounds * (args.settle + args.window) * num_modes + 8) * (k + 1)
+def tokens_per_request(args, num_modes: int, tokens_per_step: int) -> int:
+    """Generated tokens a request of an interleaved point may need: the speculative engine's steps
+    (`num_modes` policies' warm and timed turns) at `tokens_per_step` at most, and some slack."""
+    return (num_modes * (args.warm + args.rounds * (args.settle + args.window)) + 8) * tokens_per_step
 
 
 def run_forced(args, out: dict) -> None:
@@ -307,18 +321,17 @@ def run_forced(args, out: dict) -> None:
     shape, dtype = (TINY, "float32") if args.smoke else (LLAMA_8B, "bfloat16")
     target, draft = write_configs(Path(tempfile.mkdtemp()), shape, dtype)
     k, batches, ms = args.k, args.batches, list(range(args.k + 1))
-    max_tokens = tokens_per_request(args, k + 2, k)  # the fixed ks and up to two adaptive policies
+    max_tokens = tokens_per_request(args, k + 2, k + 1)  # the fixed ks and up to two adaptive policies
     common = dict(load_format="dummy", max_model_len=args.prompt_len + max_tokens + 2 * k + 16,
                   max_num_seqs=max(batches), enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rows = out.setdefault("forced", [])
     # both engines stay up (the plain one needs a batch's KV for the "off" windows alone)
     plain = LLMEngine(target, **common, **({} if args.smoke else dict(gpu_memory_utilization=0.25)))
-    spec, set_m = forced_engine(target, draft, k, **common, **({} if args.smoke else dict(gpu_memory_utilization=0.65)))
+    spec, set_m = forced_engine(target, draft, k, **common, **({} if args.smoke else dict(gpu_memory_utilization=0.68)))
     gc.collect()
     gc.freeze()  # as the server does once its engine is built
-    out["meta"]["step_costs"] = dict(source=spec.runner.step_costs.source, buckets=spec.runner.step_costs.buckets,
-                                     seconds=spec.runner.step_costs.seconds)
+    out["meta"]["forced_step_costs"] = step_costs(spec)
     for bs in batches:
         prompts = random_prompts(bs, args.prompt_len, shape["vocab_size"], bs)
         for m in ms:
@@ -366,7 +379,7 @@ def run_zoo(args, out: dict) -> None:
     target, draft = pair
     k, batches = args.k, args.batches
     zoo = argparse.Namespace(**{**vars(args), "rounds": args.zoo_rounds, "window": args.zoo_window})
-    max_tokens = tokens_per_request(zoo, k + 2, k)
+    max_tokens = tokens_per_request(zoo, k + 2, 3)  # the pair's acceptance length is ~2 (docs/zoo.md)
     common = dict(dtype="bfloat16", max_model_len=max_tokens + 1024, max_num_seqs=max(batches), enable_prefix_caching=False)
     rows = out.setdefault("zoo", [])
     plain = LLMEngine(target, **common, gpu_memory_utilization=0.2)
@@ -376,6 +389,7 @@ def run_zoo(args, out: dict) -> None:
         return
     spec = LLMEngine(target, method="eagle3", draft_model=draft, num_speculative_tokens=k, speculative_adaptive=True,
                      **common, gpu_memory_utilization=0.4)
+    out["meta"]["zoo_step_costs"] = step_costs(spec)
     gc.collect()
     gc.freeze()  # as the server does once its engine is built: full collections skip the start-up heap
     for temperature in (0.0, 1.0):
@@ -553,10 +567,11 @@ def verdicts(rows: list[dict], key: str) -> list[dict]:
 def markdown(out: dict) -> str:
     meta = out["meta"]
     lines = [f"### Adaptive draft length ({meta['device']}, {meta['date']})", "",
-             f"`{meta['command']}`; k at most {meta['k']}; modes interleaved on one batch a point: {meta['warm']} steps of "
-             f"each adaptive policy first, then {meta['rounds']} turns a mode of {meta['settle']} untimed + {meta['window']} timed steps "
+             f"`{meta['command']}`; k at most {meta['k']}; modes interleaved on one batch a point: {meta['warm']} untimed "
+             f"steps of every mode first, then {meta['rounds']} turns a mode of {meta['settle']} untimed + {meta['window']} timed steps "
              f"(zoo: {meta['zoo_rounds']} turns of {meta['zoo_window']}); "
-             f"step costs: {meta.get('step_costs', {}).get('source', '-')}.", ""]
+             "step costs: " + ", ".join(f"{part} {meta[f'{part}_step_costs']['source']}" for part in ("forced", "zoo")
+                                        if f"{part}_step_costs" in meta) + ".", ""]
     for part, key, title in (("forced", "forced", "forced accepted drafts m"), ("zoo", "temperature", "temperature")):
         if not out.get(part):
             continue
@@ -633,11 +648,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", default="forced,zoo")
     parser.add_argument("--k", type=int, default=5, help="the most drafts a step proposes")
     parser.add_argument("--batches", default="1,8,32,64,128")
-    parser.add_argument("--warm", type=int, default=10, help="steps of the adaptive policy before a point's rounds (samek: untimed steps a window)")
-    parser.add_argument("--rounds", type=int, default=4, help="forced: turns of every mode a point")
+    parser.add_argument("--warm", type=int, default=6, help="untimed steps of every mode before a point's rounds (samek: a window's)")
+    parser.add_argument("--rounds", type=int, default=3, help="forced: turns of every mode a point")
     parser.add_argument("--window", type=int, default=10, help="forced: timed steps of a mode's turn")
     parser.add_argument("--settle", type=int, default=3, help="untimed steps opening every turn")
-    parser.add_argument("--zoo-rounds", type=int, default=6, help="zoo: turns of every mode a point")
+    parser.add_argument("--zoo-rounds", type=int, default=5, help="zoo: turns of every mode a point")
     parser.add_argument("--zoo-window", type=int, default=24, help="zoo: timed steps of a mode's turn (real acceptance is noisy)")
     parser.add_argument("--policy-b", help="a saved spec_decode/adaptive.py whose AdaptiveDraftLength runs as one more mode")
     parser.add_argument("--policy-b-name", default="b", help="its mode is adaptive-<this>")
