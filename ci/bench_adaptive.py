@@ -226,36 +226,50 @@ def window(engine, settle: int, steps: int) -> dict:
 
 def interleaved(plain, spec, policies: dict[str, DraftLengthPolicy], prompts: list[list[int]], params, args,
                 tag: str) -> dict[str, dict]:
-    """Every mode on one running batch, in turns: "off" on the plain engine (its own copy of the
-    batch), the others as policies of `spec`. `args.rounds` rounds, modes forwards then backwards,
-    each mode `args.window` timed steps a round after `args.settle` untimed ones; `args.warm` untimed
-    steps of every mode first (first uses of what the graphs leave out; a server's policy has seen
-    steps before). Drift of the
-    machine (host-bound steps moved by up to 1.6x between windows minutes apart) then falls on every
-    mode alike. Per mode: tokens/s over all its timed steps, each round's, the median step overall
-    and per k (steps at the k of the step before), and what each adaptive policy priced steps by."""
-    modes = ["off", *policies]
+    """Every policy of `policies` (k = 0, the fixed ks, the adaptive ones) on one running batch of
+    `spec`, in turns: `args.rounds` rounds, forwards then backwards, each policy `args.window` timed
+    steps a round after `args.settle` untimed ones; `args.warm` untimed steps of each first (first
+    uses of what the graphs leave out), `args.adaptive_warm` more of each adaptive policy (a
+    server's policy has seen many steps before: it learns its prices online). The machine's drift
+    (host-bound steps moved by up to 1.6x between windows minutes apart) then falls on every mode
+    alike, and every mode runs at the same contexts. That is why no speculation is k = 0 on the
+    same engine and batch: a plain engine's batch would grow by one token a step while the
+    speculative one grows by several, and at batch 128 on the 8B shape the longer contexts alone
+    cost 1.4 ms of a 9 ms step (2026-11-27). The plain engine ("off") is measured against k = 0 once,
+    right after both prefilled the same prompts (two turns each, in turns): the price of a
+    speculative engine that proposes nothing. Per mode: tokens/s over all its timed steps, each
+    round's, the median step overall and per k (steps at the k of the step before), and what each
+    adaptive policy priced steps by."""
     rotation = Rotation(policies)
     spec.draft_policy = rotation
     ids = {"off": prefill(plain, prompts, params, f"{tag}p"), "spec": prefill(spec, prompts, params, f"{tag}s")}
-    for mode in modes:  # untimed: lazy first uses (kernels outside the graphs) and the policies' first steps
-        if mode != "off":
-            rotation.switch(mode)
-        for _ in range(args.warm):
-            (plain if mode == "off" else spec).step()
-    windows = {mode: [] for mode in modes}
+    windows = {mode: [] for mode in ["off", *policies]}
+    rotation.switch("k=0")
+    for _ in range(args.warm):
+        plain.step()
+        spec.step()
+    calibration = []
+    for first in ("off", "k=0", "k=0", "off"):
+        calibration.append((first, window(plain if first == "off" else spec, args.settle, args.window)))
+    for mode in policies:  # untimed
+        rotation.switch(mode)
+        for _ in range(args.warm + (args.adaptive_warm if mode.startswith("adaptive") else 0)):
+            spec.step()
     for rnd in range(args.rounds):
-        for mode in modes if rnd % 2 == 0 else modes[::-1]:
-            if mode != "off":
-                rotation.switch(mode)
-            windows[mode].append(window(plain if mode == "off" else spec, args.settle, args.window))
+        for mode in policies if rnd % 2 == 0 else list(policies)[::-1]:
+            rotation.switch(mode)
+            windows[mode].append(window(spec, args.settle, args.window))
     for engine in (plain, spec):  # a request that ran out of max_tokens would have shrunk the batch
         if len(engine.scheduler.running) != len(prompts):
             raise RuntimeError(f"{tag}: {len(engine.scheduler.running)} of {len(prompts)} requests still running: "
                                "raise max_tokens or lower --rounds / --window")
     finish(plain, ids["off"])
     finish(spec, ids["spec"])
-    return {mode: summarize(ws, policies.get(mode), len(prompts)) for mode, ws in windows.items()}
+    windows["off"] = [w for mode, w in calibration if mode == "off"]
+    rows = {mode: summarize(ws, policies.get(mode), len(prompts)) for mode, ws in windows.items()}
+    k0 = summarize([w for mode, w in calibration if mode == "k=0"], None, len(prompts))
+    rows["off"]["vs_k0_same_context"] = rows["off"]["tokens_per_s"] / k0["tokens_per_s"]
+    return rows
 
 
 def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: int) -> dict:
@@ -286,10 +300,10 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
 
 
 def policies_for(engine, args) -> dict[str, DraftLengthPolicy]:
-    """Fixed k = 1..args.k and the adaptive policy; with --policy-b the adaptive policy of that saved
+    """Fixed k = 0..args.k and the adaptive policy; with --policy-b the adaptive policy of that saved
     version of spec_decode/adaptive.py too, as "adaptive-<name>" (an A/B in one run)."""
     k, costs = engine.runner.num_spec_tokens, engine.runner.step_costs
-    policies: dict[str, DraftLengthPolicy] = {f"k={j}": FixedDraftLength(j) for j in range(1, k + 1)}
+    policies: dict[str, DraftLengthPolicy] = {f"k={j}": FixedDraftLength(j) for j in range(k + 1)}
     policies["adaptive"] = AdaptiveDraftLength(k, costs)
     if args.policy_b:
         from bench_mxfp4 import load_kernel_version
@@ -312,7 +326,8 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[
 def tokens_per_request(args, num_modes: int, tokens_per_step: int) -> int:
     """Generated tokens a request of an interleaved point may need: the speculative engine's steps
     (`num_modes` policies' warm and timed turns) at `tokens_per_step` at most, and some slack."""
-    return (num_modes * (args.warm + args.rounds * (args.settle + args.window)) + 8) * tokens_per_step
+    steps = num_modes * (args.warm + args.rounds * (args.settle + args.window)) + 2 * args.adaptive_warm
+    return (steps + args.warm + 2 * (args.settle + args.window) + 8) * tokens_per_step  # and k = 0's calibration turns
 
 
 def run_forced(args, out: dict) -> None:
@@ -321,7 +336,7 @@ def run_forced(args, out: dict) -> None:
     shape, dtype = (TINY, "float32") if args.smoke else (LLAMA_8B, "bfloat16")
     target, draft = write_configs(Path(tempfile.mkdtemp()), shape, dtype)
     k, batches, ms = args.k, args.batches, list(range(args.k + 1))
-    max_tokens = tokens_per_request(args, k + 2, k + 1)  # the fixed ks and up to two adaptive policies
+    max_tokens = tokens_per_request(args, k + 3, k + 1)  # k = 0..k and up to two adaptive policies
     common = dict(load_format="dummy", max_model_len=args.prompt_len + max_tokens + 2 * k + 16,
                   max_num_seqs=max(batches), enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -379,7 +394,7 @@ def run_zoo(args, out: dict) -> None:
     target, draft = pair
     k, batches = args.k, args.batches
     zoo = argparse.Namespace(**{**vars(args), "rounds": args.zoo_rounds, "window": args.zoo_window})
-    max_tokens = tokens_per_request(zoo, k + 2, 3)  # the pair's acceptance length is ~2 (docs/zoo.md)
+    max_tokens = tokens_per_request(zoo, k + 3, 3)  # the pair's acceptance length is ~2 (docs/zoo.md)
     common = dict(dtype="bfloat16", max_model_len=max_tokens + 1024, max_num_seqs=max(batches), enable_prefix_caching=False)
     rows = out.setdefault("zoo", [])
     plain = LLMEngine(target, **common, gpu_memory_utilization=0.2)
@@ -554,13 +569,15 @@ def verdicts(rows: list[dict], key: str) -> list[dict]:
         points.setdefault((r["batch"], r[key]), {})[r["mode"]] = r
     out = []
     for (bs, x), modes in sorted(points.items()):
-        fixed = {m: r for m, r in modes.items() if m.startswith("k=")}
+        fixed = {m: r for m, r in modes.items() if m.startswith("k=") and m != "k=0"}
         best = max(fixed, key=lambda m: fixed[m]["tokens_per_s"])
+        off = modes["k=0"]["tokens_per_s"]  # no speculation on the same batch (see interleaved)
         for mode in [m for m in modes if m.startswith("adaptive")]:
             a = modes[mode]["tokens_per_s"]
-            out.append(dict(batch=bs, **{key: x}, policy=mode, off=modes["off"]["tokens_per_s"], best_fixed=best,
+            out.append(dict(batch=bs, **{key: x}, policy=mode, off=off, best_fixed=best,
                             best_fixed_tps=fixed[best]["tokens_per_s"], adaptive=a, adaptive_k=modes[mode]["mean_k"],
-                            vs_off=a / modes["off"]["tokens_per_s"], vs_best=a / fixed[best]["tokens_per_s"]))
+                            vs_off=a / off, vs_best=a / fixed[best]["tokens_per_s"],
+                            plain_vs_k0=modes["off"]["vs_k0_same_context"]))
     return out
 
 
@@ -568,19 +585,23 @@ def markdown(out: dict) -> str:
     meta = out["meta"]
     lines = [f"### Adaptive draft length ({meta['device']}, {meta['date']})", "",
              f"`{meta['command']}`; k at most {meta['k']}; modes interleaved on one batch a point: {meta['warm']} untimed "
-             f"steps of every mode first, then {meta['rounds']} turns a mode of {meta['settle']} untimed + {meta['window']} timed steps "
+             f"steps of every mode first ({meta['adaptive_warm']} more of each adaptive policy), then "
+             f"{meta['rounds']} turns a mode of {meta['settle']} untimed + {meta['window']} timed steps "
              f"(zoo: {meta['zoo_rounds']} turns of {meta['zoo_window']}); "
              "step costs: " + ", ".join(f"{part} {meta[f'{part}_step_costs']['source']}" for part in ("forced", "zoo")
                                         if f"{part}_step_costs" in meta) + ".", ""]
     for part, key, title in (("forced", "forced", "forced accepted drafts m"), ("zoo", "temperature", "temperature")):
         if not out.get(part):
             continue
-        modes = list(dict.fromkeys(r["mode"] for r in out[part]))
+        modes = [m for m in dict.fromkeys(r["mode"] for r in out[part]) if m != "off"]
         policies = [m for m in modes if m.startswith("adaptive")]
         lines += [f"#### {part}: tokens/s ({title})", "",
-                  f"| batch | {title} | " + " | ".join("no spec" if m == "off" else m for m in modes)
-                  + "".join(f" | {p}: mean k, / no spec, / best fixed" for p in policies) + " |",
-                  "|---|---|" + "---|" * (len(modes) + len(policies))]
+                  "No speculation is k = 0 on the speculative engine, in turns with the other modes on the same "
+                  "batch; the last column is the plain engine's tokens/s over k = 0's right after both prefilled "
+                  "the same prompts.", "",
+                  f"| batch | {title} | " + " | ".join("no spec (k=0)" if m == "k=0" else m for m in modes)
+                  + "".join(f" | {p}: mean k, / no spec, / best fixed" for p in policies) + " | plain / k=0 |",
+                  "|---|---|" + "---|" * (len(modes) + len(policies) + 1)]
         v = {(r["batch"], r[key], r["policy"]): r for r in verdicts(out[part], key)}
         points = {}
         for r in out[part]:
@@ -588,7 +609,8 @@ def markdown(out: dict) -> str:
         for (bs, x), tps in sorted(points.items()):
             cells = [f"{v[bs, x, p]['adaptive_k']:.2f}, {v[bs, x, p]['vs_off']:.2f}x, {v[bs, x, p]['vs_best']:.2f}x "
                      f"({v[bs, x, p]['best_fixed']})" for p in policies]
-            lines.append(f"| {bs} | {x} | " + " | ".join(f"{tps[m]:.0f}" for m in modes) + "".join(f" | {c}" for c in cells) + " |")
+            lines.append(f"| {bs} | {x} | " + " | ".join(f"{tps[m]:.0f}" for m in modes) + "".join(f" | {c}" for c in cells)
+                         + f" | {v[bs, x, policies[0]]['plain_vs_k0']:.3f}x |")
         lines.append("")
         for p in policies:
             mine = [r for r in v.values() if r["policy"] == p]
@@ -621,12 +643,12 @@ def plot(out: dict, path: Path) -> bool:
                              squeeze=False)
     for ax, (part, key, x) in zip(axes.flat, panels):
         rows = [r for r in out[part] if r[key] == x]
-        for mode in dict.fromkeys(r["mode"] for r in rows):
+        for mode in [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "off"]:  # (off: another context)
             pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["mode"] == mode)
             style = (dict(linewidth=2.5, color="black" if mode == "adaptive" else "grey") if mode.startswith("adaptive")
-                     else dict(linestyle="--" if mode == "off" else "-"))
+                     else dict(linestyle="--" if mode == "k=0" else "-"))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
-                    label="no speculation" if mode == "off" else mode, **style)
+                    label="no speculation (k=0)" if mode == "k=0" else mode, **style)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{'8B shape, forced m' if part == 'forced' else 'SmolLM2 pair, T'} = {x}", fontsize=9)
@@ -649,6 +671,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--k", type=int, default=5, help="the most drafts a step proposes")
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--warm", type=int, default=6, help="untimed steps of every mode before a point's rounds (samek: a window's)")
+    parser.add_argument("--adaptive-warm", type=int, default=30, help="more untimed steps of each adaptive policy")
     parser.add_argument("--rounds", type=int, default=3, help="forced: turns of every mode a point")
     parser.add_argument("--window", type=int, default=10, help="forced: timed steps of a mode's turn")
     parser.add_argument("--settle", type=int, default=3, help="untimed steps opening every turn")
@@ -664,7 +687,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.k, args.batches, args.warm, args.prompt_len = 2, "1,4", 3, 8
         args.parts = "samek" if args.parts == "samek" else "forced"
-        args.rounds, args.window, args.settle = 2, 3, 2
+        args.rounds, args.window, args.settle, args.adaptive_warm = 2, 3, 2, 3
         args.samek_steps, args.samek_k, args.samek_rounds = 4, "2", 1
         if args.parts == "samek":
             args.batches = "4"
@@ -673,7 +696,8 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    out = dict(meta=dict(device=device, date=time.strftime("%Y-%m-%d"), k=args.k, warm=args.warm, rounds=args.rounds, window=args.window, settle=args.settle,
+    out = dict(meta=dict(device=device, date=time.strftime("%Y-%m-%d"), k=args.k, warm=args.warm,
+                         adaptive_warm=args.adaptive_warm, rounds=args.rounds, window=args.window, settle=args.settle,
                          zoo_rounds=args.zoo_rounds, zoo_window=args.zoo_window, policy_b=args.policy_b,
                          command=" ".join(["python ci/bench_adaptive.py", *(sys.argv[1:] if argv is None else argv)])))
     start = time.perf_counter()

@@ -21,7 +21,12 @@ from kernels_rocm._pdl import wait_for_previous_kernel
 from kernels_rocm._util import check_same_device, check_tensor
 
 
-@triton.jit
+# Every integer that varies between steps is left unspecialized: Triton would otherwise compile a
+# variant per batch class (stride_index is the number of followers: == 1, a multiple of 16, other)
+# and per verify width (the strides), in the middle of serving, the first time each appears (~90 ms
+# a compile on an H100 host, 2026-11-27: what adaptive k's changing widths kept running into). Q, a
+# constexpr, is compiled for every width at start-up (`precompile`).
+@triton.jit(do_not_specialize=["stride_index", "stride_token", "stride_drafts", "stride_table"])
 def _advance_kernel(
     index_ptr, stride_index, accepted_ptr, token_ptr, stride_token, drafts_ptr, stride_drafts,
     input_ids_ptr, positions_ptr, context_lens_ptr, tables_ptr, stride_table, slots_ptr,
@@ -73,3 +78,16 @@ def advance(index: torch.Tensor, num_accepted: torch.Tensor, token_ids: torch.Te
         input_ids, positions, context_lens, block_tables, block_tables.stride(0), slot_mapping,
         Q=q, Q_PAD=triton.next_power_of_2(q), BLOCK_SIZE=block_size, **pdl.launch_args(index.device),
     )
+
+
+def precompile(device: torch.device, max_query: int, block_size: int) -> None:
+    """Compile the kernel for every query width 1..max_query (one launch each on scratch tensors),
+    so that a decode step never waits for a compile when its verify width first appears."""
+    zeros = dict(dtype=torch.int64, device=device)
+    for q in range(1, max_query + 1):
+        index = torch.zeros(3, 1, **zeros)
+        token_ids = torch.zeros(1, q, **zeros)
+        drafts = torch.zeros(1, q - 1, **zeros) if q > 1 else None
+        advance(index, torch.zeros(1, **zeros), token_ids, drafts, torch.zeros(q, **zeros), torch.zeros(q, **zeros),
+                torch.zeros(1, dtype=torch.int32, device=device), torch.zeros(1, 1, dtype=torch.int32, device=device),
+                torch.zeros(q, **zeros), block_size)

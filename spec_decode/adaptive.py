@@ -11,7 +11,7 @@ step, the k that maximises expected tokens per second:
   position i is accepted when every position before it was (exponentially weighted per step,
   `AcceptanceTracker`). A position never reached borrows the estimate of the one before it.
 - T(batch, k): what a steady decode step at k (verifying k drafts, proposing k more) took on this
-  engine, where it was seen (`StepTimes`: the period between consecutive launches, medians per
+  engine, where it was seen (`StepTimes`: the period between consecutive launches, robust medians per
   batch bucket and k). Where it was not: max(device, host), the device time of such a step per
   graph batch bucket (`StepCosts`: measured at start-up by replaying the captured decode graphs,
   cached on disk; on CPU or without graphs a fixed table), scaled by what the seen steps say the
@@ -195,20 +195,24 @@ class StepTimes:
     launch that blocks on the device would count as host time; none does on the decode path
     (device-side sampling and acceptance).
 
-    Each is the median of the last WINDOW samples at (bucket, k) once MIN_SAMPLES exist. A host
+    Each is the median of those of the last WINDOW samples at (bucket, k) within OUTLIER times
+    the fastest, once MIN_SAMPLES exist. Why not all of them: a step's worst noise is one-sided and
+    large (a first-use compile: 87 ms samples among 1.7 ms steps, 2026-11-27), and a plain median of
+    the first three samples followed two such, which priced that k out for good (nothing ran it
+    again to correct the price). Ordinary noise (20-60%) stays inside the median. A host
     time at a k not observed at that bucket is interpolated (or extrapolated, never below 0) from
     the two nearest observed ks, and taken as flat from a single one. Flat is the bold guess: it
     makes a host-bound step's longer drafts look free, so the policy tries them, and its first
     samples there supply the slope (docs/adaptive_speculation.md)."""
 
-    WINDOW, MIN_SAMPLES = 16, 3
+    WINDOW, MIN_SAMPLES, OUTLIER = 16, 3, 2.0
 
     def __init__(self, buckets: list[int]):
         self.buckets = list(buckets)
         self._samples: dict[tuple[int, int], deque[tuple[float, float]]] = defaultdict(
             lambda: deque(maxlen=self.WINDOW))
-        # per bucket, {k: (median host, median period)} of the ks with MIN_SAMPLES samples: kept up to
-        # date by observe (two medians of <= WINDOW values a step) so that choose sorts nothing
+        # per bucket, {k: (host, period)} of the ks with MIN_SAMPLES samples: kept up to date by
+        # observe (two medians of <= WINDOW values a step) so that choose sorts nothing
         self._medians: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
 
     def observe(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
@@ -216,10 +220,10 @@ class StepTimes:
         samples = self._samples[b, k]
         samples.append((host_seconds, period_seconds))
         if len(samples) >= self.MIN_SAMPLES:
-            self._medians[b][k] = (statistics.median(h for h, _ in samples), statistics.median(p for _, p in samples))
+            self._medians[b][k] = (_typical([h for h, _ in samples]), _typical([p for _, p in samples]))
 
     def observed(self, num_seqs: int) -> dict[int, tuple[float, float]]:
-        """{k: (median host seconds, median period)} at num_seqs's bucket, for the ks with
+        """{k: (host seconds, period)} at num_seqs's bucket, robust medians, for the ks with
         MIN_SAMPLES samples."""
         return dict(sorted(self._medians[bucket_index(self.buckets, num_seqs)].items()))
 
@@ -229,6 +233,12 @@ class StepTimes:
         if not seen:
             return None
         return [seen[k] if k in seen else _interpolate(seen, k) for k in range(max_k + 1)]
+
+
+def _typical(values: list[float]) -> float:
+    """The median of the values within StepTimes.OUTLIER times the smallest."""
+    bound = StepTimes.OUTLIER * min(values)
+    return statistics.median([v for v in values if v <= bound])
 
 
 def _interpolate(seen: dict[int, float], k: int) -> float:

@@ -243,23 +243,26 @@ def test_costs_cache_round_trip(tmp_path, monkeypatch):
     assert back.step_times(5)[1] == 2.6 and back.step_times(16)[2] == pytest.approx(6.8)  # bucket 8; past it, scaled
 
 
-def test_step_times_medians_and_the_k_they_have_not_seen():
+def test_step_times_robust_medians_and_the_k_they_have_not_seen():
     times = StepTimes([1, 8])
     assert times.host_times(1, 7) is None
-    for t in (1.0, 9.0, 1.2):  # a median: one slow outlier does not move it
+    for t in (9.0, 1.0, 8.0):  # past twice the fastest is not counted: even two of the first three
         times.observe(1, 2, t, t + 1.0)
-    assert times.host_times(1, 7)[2] == 1.2 and times.host_times(1, 7)[5] == 1.2  # one k seen: flat
-    assert times.observed(1) == {2: (1.2, 2.2)}  # (host, period) medians
+    assert times.host_times(1, 7)[2] == 1.0 and times.host_times(1, 7)[5] == 1.0  # one k seen: flat
+    assert times.observed(1) == {2: (1.0, 2.0)}  # (host, period)
     assert times.host_times(8, 7) is None  # another bucket
     for _ in range(3):
         times.observe(1, 4, 2.0, 2.0)
-    assert times.host_times(1, 7)[3] == pytest.approx(1.6)  # between two seen ks
-    assert times.host_times(1, 7)[5] == pytest.approx(2.4) and times.host_times(1, 7)[0] == pytest.approx(0.4)
+    assert times.host_times(1, 7)[3] == pytest.approx(1.5)  # between two seen ks
+    assert times.host_times(1, 7)[5] == pytest.approx(2.5) and times.host_times(1, 7)[0] == pytest.approx(0.0)
     for _ in range(3):
         times.observe(1, 0, 3.0, 3.0)
-    assert times.host_times(1, 7)[1] == pytest.approx(2.1)  # from the two nearest: k = 0 and 2
+    assert times.host_times(1, 7)[1] == pytest.approx(2.0)  # from the two nearest: k = 0 and 2
     times.observe(1, 7, 100.0, 100.0)  # fewer than MIN_SAMPLES: not used
-    assert times.host_times(1, 7)[7] == pytest.approx(2.0 + 0.4 * 3)
+    assert times.host_times(1, 7)[7] == pytest.approx(2.0 + 0.5 * 3)
+    for t in (1.1, 1.3, 1.5, 1.9, 2.5):  # ordinary noise: the median of those within 2x of 1.0
+        times.observe(1, 2, t, t)
+    assert times.observed(1)[2] == (1.3, 1.5)
 
 
 def test_host_bound_steps_are_priced_by_their_host_time():

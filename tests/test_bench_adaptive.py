@@ -17,9 +17,10 @@ def test_smoke_writes_every_point(tmp_path, monkeypatch):
     policy_b = Path(__file__).resolve().parents[1] / "spec_decode" / "adaptive.py"
     out = bench_adaptive.main(["--smoke", "--policy-b", str(policy_b), "--policy-b-name", "same"])
     rows = out["forced"]
-    # batches 1, 4 x forced m 0..2 x (no speculation, k=1, k=2, adaptive, adaptive-same)
-    assert len(rows) == 2 * 3 * 5 and all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    # batches 1, 4 x forced m 0..2 x (plain engine, k=0, k=1, k=2, adaptive, adaptive-same)
+    assert len(rows) == 2 * 3 * 6 and all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     assert all(len(r["round_tokens_per_s"]) == 2 and r["eager_steps"] == 0 for r in rows)  # --smoke: 2 turns a mode
+    assert all(r["mean_k"] == 0 and r["vs_k0_same_context"] > 0 for r in rows if r["mode"] == "off")
     for r in rows:
         if r["mode"].startswith("k="):
             assert r["mean_k"] == int(r["mode"][2:])
@@ -33,6 +34,7 @@ def test_smoke_writes_every_point(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "bench_adaptive.json").read_text())["meta"]["k"] == 2
     text = (tmp_path / "bench_adaptive.md").read_text()
     assert "adaptive: mean k, / no spec, / best fixed" in text and "Worst point of adaptive-same" in text
+    assert "| plain / k=0 |" in text
     assert (tmp_path / "bench_adaptive.png").stat().st_size > 0
 
 

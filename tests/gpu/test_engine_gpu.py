@@ -123,3 +123,28 @@ def test_graph_replay_matches_eager_mla(make_deepseek, make_eagle3_mla, batch_si
     graphed = LLMEngine(path, **kwargs)
     assert graphed.runner.graphs.first_pass[1, 4].graph is not None
     assert [o.token_ids for o in graphed.generate(batch, params, use_tqdm=False)] == expected
+
+
+def test_changing_k_compiles_nothing_after_start_up(make_llama, make_eagle3_llama):
+    """Adaptive k runs every verify width 0..k in any order: the step-advance kernel, which runs
+    between the graph replays, is compiled for all of them at start-up, so no decode step waits for
+    a Triton compile (each took ~90 ms on an H100 host) whatever the widths and the batch size."""
+    from kernels_rocm.step_advance import _advance_kernel
+
+    from test_adaptive_spec import Cycle  # the CPU tests' forced k pattern
+
+    path = make_llama(**GPU_LLAMA)
+    engine = LLMEngine(path, dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.3, method="eagle3",
+                       draft_model=make_eagle3_llama(path, aux_layer_ids=[1, 4, 7]), num_speculative_tokens=5,
+                       speculative_adaptive=True)
+
+    def compiled() -> int:
+        return sum(len(caches[0]) for caches in _advance_kernel.device_caches.values())
+
+    after_start_up = compiled()
+    assert after_start_up >= 6  # query widths 1..6
+    engine.draft_policy = Cycle((5, 0, 3, 1, 4, 2, 0, 5, 2, 4, 1, 3), 5)
+    for batch in (1, 7, 16, 33):  # stride classes: == 1, neither, multiples of 16
+        engine.generate(prompts(batch, seed=batch), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)
+    assert compiled() == after_start_up
