@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, installed or not
 from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength, StepCosts
 from spec_decode.stats import SpecCounts
 
@@ -197,9 +198,9 @@ class Rotation(DraftLengthPolicy):
             mode, own = self._chooser[step]
             self.policies[mode].observe(own, drafted, accepted)
 
-    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
+    def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
         if self._fresh < 0:
-            self.policies[self.mode].observe_step(num_seqs, k, host_seconds, period_seconds)
+            self.policies[self.mode].observe_host(num_seqs, k, seconds)
 
 
 def window(engine, settle: int, steps: int) -> dict:
@@ -285,16 +286,13 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
         spec = SpecCounts(spec.num_drafts + w["spec"].num_drafts, 0, spec.num_accepted_tokens + w["spec"].num_accepted_tokens)
     tokens, seconds = sum(w["tokens"] for w in windows), sum(times)
     adaptive = policy is not None and not isinstance(policy, FixedDraftLength)
-    # the steady steps an adaptive policy priced by: (host part, period), or the host part alone (a
-    # --policy-b saved before periods were kept)
-    seen = {k: v if isinstance(v, tuple) else (v, None) for k, v in policy.times.observed(num_seqs).items()} if adaptive else {}
+    seen = policy.times.observed(num_seqs) if adaptive else {}  # the host times an adaptive policy priced by
     return dict(tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds, mean_k=sum(ks) / len(ks),
                 k_steps=dict(collections.Counter(ks)), median_step_ms=statistics.median(times) * 1e3,
                 median_step_ms_by_k={k: statistics.median(v) * 1e3 for k, v in sorted(by_k.items())},
                 mean_acceptance_length=spec.mean_acceptance_length if spec.num_drafts else 1.0,
                 round_tokens_per_s=[w["tokens"] / sum(w["times"]) for w in windows],
-                host_ms_by_k={k: 1e3 * own for k, (own, _) in seen.items()},
-                period_ms_by_k={k: 1e3 * p for k, (_, p) in seen.items() if p is not None},
+                host_ms_by_k={k: 1e3 * t for k, t in seen.items()},
                 eager_steps=sum(w["eager_steps"] for w in windows), gc2=sum(w["gc2"] for w in windows),
                 gc2_ms=sum(w["gc2_ms"] for w in windows))
 

@@ -10,16 +10,12 @@ step, the k that maximises expected tokens per second:
 - E[accepted | k] = sum_{j=1..k} prod_{i<j} a_i, from a_i, the running probability that draft
   position i is accepted when every position before it was (exponentially weighted per step,
   `AcceptanceTracker`). A position never reached borrows the estimate of the one before it.
-- T(batch, k): what a steady decode step at k (verifying k drafts, proposing k more) took on this
-  engine, where it was seen (`StepTimes`: the period between consecutive launches, robust medians per
-  batch bucket and k). Where it was not: max(device, host), the device time of such a step per
-  graph batch bucket (`StepCosts`: measured at start-up by replaying the captured decode graphs,
-  cached on disk; on CPU or without graphs a fixed table), scaled by what the seen steps say the
-  profile misses when they waited for the device, and the host time seen at the nearest ks. A
-  small model's steps can be host-bound (every k then costs about the same period, which device
-  time alone would not show); a real step can cost more than the profile's replays (measured:
-  SmolLM2 at batch 128 and temperature 1, 9.6 ms at k = 5 against 6.3 ms priced), and cost need
-  not grow smoothly with k (the same runs: k = 3 6.8 ms, k = 2 and 4 8.9 and 8.7).
+- T(batch, k) = max(device, host): the device time of a decode step that verifies k drafts and
+  proposes k more (the steady state), per graph batch bucket (`StepCosts`: measured at start-up
+  by replaying the captured decode graphs, cached on disk; on CPU or without graphs a fixed
+  table), and, where that was measured, the host time such steps took on this engine (`StepTimes`:
+  observed online, medians per bucket and k). A small model's steps can be host-bound: every k
+  then costs about the same period, which device time alone would not show.
 
 Timing on an overlapped pipeline: the drafts a step verifies were proposed by the step before,
 so choosing k at the launch of step N decides what step N + 1 verifies. The host learns the
@@ -34,11 +30,6 @@ correctness: verification is exact whatever the drafts. Steps with prompt chunks
 draft's first pass, so a prompt's draft KV is never missing. While k = 0 nothing is observed, the
 weights decay and the estimate drifts back to its prior: a periodic probe, cheap where
 speculation really does not pay (one short verify every few tens of steps).
-
-Probes: with measured costs, every PROBE_EVERY steps the policy runs PROBE_STEPS steps at a
-neighbour of its choice k > 0 (k - 1 and k + 1 in turns), so that the periods of the ks around the
-chosen one stay measured: a price seen once is otherwise never revised while a neighbour's
-estimate stays below it.
 """
 from __future__ import annotations
 
@@ -70,9 +61,8 @@ class DraftLengthPolicy(ABC):
     def observe(self, step: int, drafted: int, accepted: int) -> None:
         """One sequence of step `step` verified `drafted` drafts and accepted the first `accepted`."""
 
-    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
-        """A steady decode step of `num_seqs` sequences at k drafts: the host's own time and the
-        whole period to the next launch (host time plus waits for the device)."""
+    def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
+        """A steady decode step of `num_seqs` sequences at k drafts took `seconds` of host time."""
 
 
 class FixedDraftLength(DraftLengthPolicy):
@@ -189,53 +179,52 @@ class StepCosts:
 
 
 class StepTimes:
-    """Steady decode steps (k the same as the step before) per batch bucket and k: their period,
-    the wall time from a step's launch call to the next one's, and its host part, the period less
-    the time the host spent waiting for the device in between (StepClock measures both). A
-    launch that blocks on the device would count as host time; none does on the decode path
-    (device-side sampling and acceptance).
+    """Host seconds of steady decode steps (k the same as the step before), per batch bucket and
+    k: the wall time from a step's launch call to the next one's, less the time the host spent
+    waiting for the device in between (StepClock measures it). A launch that blocks on the
+    device would count as host time; none does on the decode path (device-side sampling and
+    acceptance), and a price of max(device, host) is not raised by it anyway: such a host time
+    is at most the step's device time plus the host's own.
 
-    Each is the median of those of the last WINDOW samples at (bucket, k) within OUTLIER times
-    the fastest, once MIN_SAMPLES exist. Why not all of them: a step's worst noise is one-sided and
-    large (a first-use compile: 87 ms samples among 1.7 ms steps, 2026-11-27), and a plain median of
-    the first three samples followed two such, which priced that k out for good (nothing ran it
-    again to correct the price). Ordinary noise (20-60%) stays inside the median. A host
-    time at a k not observed at that bucket is interpolated (or extrapolated, never below 0) from
-    the two nearest observed ks, and taken as flat from a single one. Flat is the bold guess: it
-    makes a host-bound step's longer drafts look free, so the policy tries them, and its first
-    samples there supply the slope (docs/adaptive_speculation.md)."""
+    A step's host time at k is the median of those of the last WINDOW samples at (bucket, k)
+    within OUTLIER times the fastest, once MIN_SAMPLES exist. Why not all of them: a step's worst
+    noise is one-sided and large (a first-use compile: 87 ms samples among 1.7 ms steps on an
+    H100 host, 2026-11-27), and a plain median of the first three samples followed two such, which
+    priced that k out for good (nothing ran it again to correct the price); ordinary noise (20-60%)
+    stays inside the median. A k not observed at that bucket is interpolated (or extrapolated, never
+    below 0) from the two nearest observed ks, and taken as flat from a single one. Flat is the bold
+    guess: it makes a host-bound step's longer drafts look free, so the policy tries them, and
+    its first samples there supply the slope (docs/adaptive_speculation.md)."""
 
     WINDOW, MIN_SAMPLES, OUTLIER = 16, 3, 2.0
 
     def __init__(self, buckets: list[int]):
         self.buckets = list(buckets)
-        self._samples: dict[tuple[int, int], deque[tuple[float, float]]] = defaultdict(
-            lambda: deque(maxlen=self.WINDOW))
-        # per bucket, {k: (host, period)} of the ks with MIN_SAMPLES samples: kept up to date by
-        # observe (two medians of <= WINDOW values a step) so that choose sorts nothing
-        self._medians: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
+        self._samples: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=self.WINDOW))
+        # per bucket, {k: median} of the ks with MIN_SAMPLES samples: kept up to date by observe (one
+        # median of <= WINDOW values a step) so that choose reads it without sorting anything
+        self._medians: dict[int, dict[int, float]] = defaultdict(dict)
 
-    def observe(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
+    def observe(self, num_seqs: int, k: int, seconds: float) -> None:
         b = bucket_index(self.buckets, num_seqs)
         samples = self._samples[b, k]
-        samples.append((host_seconds, period_seconds))
+        samples.append(seconds)
         if len(samples) >= self.MIN_SAMPLES:
-            self._medians[b][k] = (_typical([h for h, _ in samples]), _typical([p for _, p in samples]))
+            self._medians[b][k] = _typical(samples)
 
-    def observed(self, num_seqs: int) -> dict[int, tuple[float, float]]:
-        """{k: (host seconds, period)} at num_seqs's bucket, robust medians, for the ks with
-        MIN_SAMPLES samples."""
+    def observed(self, num_seqs: int) -> dict[int, float]:
+        """{k: median host seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
         return dict(sorted(self._medians[bucket_index(self.buckets, num_seqs)].items()))
 
     def host_times(self, num_seqs: int, max_k: int) -> list[float] | None:
         """Host seconds of a step at k = 0..max_k (None: nothing observed at this bucket)."""
-        seen = {k: host for k, (host, _) in self._medians[bucket_index(self.buckets, num_seqs)].items()}
+        seen = self._medians[bucket_index(self.buckets, num_seqs)]
         if not seen:
             return None
         return [seen[k] if k in seen else _interpolate(seen, k) for k in range(max_k + 1)]
 
 
-def _typical(values: list[float]) -> float:
+def _typical(values) -> float:
     """The median of the values within StepTimes.OUTLIER times the smallest."""
     bound = StepTimes.OUTLIER * min(values)
     return statistics.median([v for v in values if v <= bound])
@@ -250,12 +239,12 @@ def _interpolate(seen: dict[int, float], k: int) -> float:
 
 
 class StepClock:
-    """Times the engine's steps for DraftLengthPolicy.observe_step: `begin` at every step call,
+    """Times the engine's steps for DraftLengthPolicy.observe_host: `begin` at every step call,
     `waited` for each wait on the device (collect) inside it, `end` with the (sequences, k) of
     the pure decode step the call launched (None: nothing, or a step with prompt chunks). `end`
-    returns a sample (sequences, k, host seconds, period): the previous launch's period less its
-    waits, and the period, when this launch has the same k (steady: the step verified as many
-    drafts as it proposes) and nothing came between."""
+    returns a sample (sequences, k, host seconds): the previous launch's period less its waits,
+    when this launch has the same k (steady: the step verified as many drafts as it proposes)
+    and nothing came between."""
 
     def __init__(self):
         self._entry = self._wait = 0.0
@@ -267,23 +256,18 @@ class StepClock:
     def waited(self, seconds: float) -> None:
         self._wait += seconds
 
-    def end(self, launched: tuple[int, int] | None) -> tuple[int, int, float, float] | None:
+    def end(self, launched: tuple[int, int] | None) -> tuple[int, int, float] | None:
         last, self._last = self._last, None
         if launched is None:
             return None
         self._last = (self._entry, *launched, self._wait)
         if last is None or last[2] != launched[1]:
             return None
-        period = self._entry - last[0]
-        return last[1], last[2], period - last[3], period
+        return last[1], last[2], self._entry - last[0] - last[3]
 
 
 class AdaptiveDraftLength(DraftLengthPolicy):
-    """k = argmax rate(k) (module note), from the acceptance of steps up to N - 2, with a probe of a
-    neighbouring k every PROBE_EVERY choices."""
-
-    PROBE_EVERY, PROBE_STEPS = 32, 4  # 4 steps: the clock's first steady sample comes from the second
-    DEVICE_BOUND = 1.05  # a period this much above its host part waited for the device
+    """k = argmax rate(k) (module note), from the acceptance of steps up to N - 2."""
 
     def __init__(self, max_drafts: int, costs: StepCosts, tracker: AcceptanceTracker | None = None):
         self.max_drafts, self.costs = max_drafts, costs
@@ -291,47 +275,26 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self.times = StepTimes(costs.buckets)
         self._pending: dict[int, list[tuple[int, int]]] = defaultdict(list)
         self._merged = -1  # the last step merged into the tracker
-        self._choices = 0  # choose calls so far
-        self._probe: tuple[int, int] | None = None  # (k, the last choice it runs for)
-        self._probe_up = False  # the next probe's side: k + 1, else k - 1
 
     def observe(self, step: int, drafted: int, accepted: int) -> None:
         if step > self._merged:  # (a step already merged cannot be observed: see choose)
             self._pending[step].append((drafted, accepted))
 
-    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
-        self.times.observe(num_seqs, k, host_seconds, period_seconds)
+    def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
+        self.times.observe(num_seqs, k, seconds)
 
     def step_times(self, num_seqs: int) -> list[float]:
-        """T(batch, k) for k = 0..max_drafts: the period seen at k; elsewhere the device time,
-        scaled by the median ratio of seen periods to it among the ks whose steps waited for the
-        device, raised to the host time seen nearby. Only where the device time is measured (the
-        fixed table's units are not seconds: CPU tests and --enforce-eager take it as it is)."""
+        """T(batch, k) for k = 0..max_drafts: device time, raised to the host time observed where
+        the device time is measured (the fixed table's units are not seconds)."""
         device = self.costs.step_times(num_seqs)[: self.max_drafts + 1]
-        seen = {k: t for k, t in self.times.observed(num_seqs).items() if k <= self.max_drafts}
-        if not self.costs.measured or not seen:
-            return device
-        host = self.times.host_times(num_seqs, self.max_drafts)
-        waited = [period / device[k] for k, (own, period) in seen.items() if period > self.DEVICE_BOUND * own]
-        scale = statistics.median(waited) if waited else 1.0
-        return [seen[k][1] if k in seen else max(device[k] * scale, host[k]) for k in range(self.max_drafts + 1)]
+        host = self.times.host_times(num_seqs, self.max_drafts) if self.costs.measured else None
+        return device if host is None else [max(d, h) for d, h in zip(device, host)]
 
     def choose(self, step: int, num_seqs: int) -> int:
         for s in range(self._merged + 1, step - 1):
             self.tracker.end_step(self._pending.pop(s, []))
         self._merged = max(self._merged, step - 2)
-        self._choices += 1
-        if self._probe is not None and self._choices <= self._probe[1]:
-            return self._probe[0]
         gain = self.tracker.expected_accepted()
         times = self.step_times(max(num_seqs, 1))
         rates = [(1 + g) / t for g, t in zip(gain, times)]
-        best = max(range(self.max_drafts + 1), key=lambda k: (rates[k], -k))
-        # no probes where prices are not seconds (nothing to measure), nor from k = 0 (the acceptance
-        # drift above already returns to k > 0 now and then)
-        if self._choices % self.PROBE_EVERY or not best or not self.costs.measured:
-            return best
-        self._probe_up = not self._probe_up
-        k = best + 1 if self._probe_up and best < self.max_drafts else best - 1
-        self._probe = (k, self._choices + self.PROBE_STEPS - 1)
-        return k
+        return max(range(self.max_drafts + 1), key=lambda k: (rates[k], -k))
