@@ -183,6 +183,7 @@ CASES: dict[str, Callable[[str], None]] = {
     "MHA 8/8 D128 decode split 16": lambda _: _mha(8, 8, 128, 4, 1, 32768, 16),
     "MHA 8/8 D128 decode no split": lambda _: _mha(8, 8, 128, 64, 1, 8192, 1),
     "MHA 8/8 D128 verify 4": lambda _: _mha(8, 8, 128, 8, 4, 8192, 4),
+    "MHA 32/8 D128 (8B) verify 6, one M tile": lambda _: _mha(32, 8, 128, 8, 6, 8192, 4),
     "MHA 8/8 D128 prefill": lambda _: _mha(8, 8, 128, 2, 2048, 4096, None),
     "MHA 9/3 D64 (SmolLM2) decode split 8": lambda _: _mha(9, 3, 64, 8, 1, 8192, 8),
     "MHA 9/3 D64 prefill": lambda _: _mha(9, 3, 64, 2, 1024, 2048, None),

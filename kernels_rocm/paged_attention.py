@@ -207,6 +207,11 @@ def paged_attention(
     block_m = max(16, triton.next_power_of_2(group))
     if max_query_len * group >= 128:
         block_m = max(block_m, 64)  # prefill: bigger M tiles reuse each KV tile more
+    elif max_query_len > 1:
+        # a verify step's k + 1 rows a sequence in one program where they fit in 64 rows: a program
+        # per 16 / group rows read the sequence's KV once per program (the 8B shape, group 4, at k = 4:
+        # twice, and its step at batch 128 and ~1,700-token contexts cost 7.4 ms more than k = 3's)
+        block_m = max(block_m, min(64, triton.next_power_of_2(max_query_len * group)))
     block_q = block_m // group
     head_pad = max(16, triton.next_power_of_2(head_dim))
 

@@ -56,6 +56,21 @@ def test_prefill_uses_wide_m_tile():
     torch.testing.assert_close(out, torch_ref.paged_attention(q, k_cache, v_cache, meta, SCALE), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,q_len", [(8, 2, 5), (8, 2, 6), (16, 2, 9), (6, 2, 7)],
+                         ids=["group4-k4", "group4-k5", "group8-k8", "group3-k6"])
+def test_verify_rows_of_a_sequence_in_one_program(num_heads, num_kv_heads, q_len):
+    # k + 1 rows x group up to 64 take one M tile (32 or 64 rows: padded rows masked); group 8 x 9
+    # rows = 72 takes two of 64. Decode rows and shorter widths in the same batch.
+    g = torch.Generator().manual_seed(q_len)
+    q_lens, ctx_lens = [q_len, 1, q_len, 3], [q_len + 40, 17, q_len + 2, 70]
+    meta = make_metadata(q_lens, ctx_lens, 16, NUM_BLOCKS, g)
+    k_cache, v_cache = torch.randn(2, NUM_BLOCKS, 16, num_kv_heads, HEAD_DIM, generator=g)
+    q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=g)
+    for splits in (1, 4):
+        out = paged_attention(q, k_cache, v_cache, *metadata_args(meta), SCALE, out=nan_like(q), num_kv_splits=splits)
+        torch.testing.assert_close(out, torch_ref.paged_attention(q, k_cache, v_cache, meta, SCALE), atol=2e-5, rtol=2e-5)
+
+
 def test_head_dim_64_not_power_of_two_heads():
     # SmolLM2-like 9 q heads / 3 kv heads at head dim 64.
     g = torch.Generator().manual_seed(3)

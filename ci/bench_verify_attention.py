@@ -1,0 +1,80 @@
+"""Paged MHA attention at speculative-verify widths, this tree's kernel against a saved version.
+
+The Llama-3.1-8B shape (32 q / 8 kv heads, D 128, block 16, bf16 KV), batch 1 / 32 / 128, contexts
+512 / 2048, query rows a sequence q = 1..6 (a verify of k = q - 1 drafts): µs a call (do_bench
+median, L2 flushed), GB/s of the KV read once (what a verify must move) against the copy bandwidth
+measured in the same run, and the largest difference between the two versions' outputs.
+
+    git show main:kernels_rocm/paged_attention.py > /tmp/paged_attention_main.py
+    python ci/bench_verify_attention.py --baseline /tmp/paged_attention_main.py [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "ci"))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from bench_mxfp4 import load_kernel_version, measure_copy_bandwidth  # noqa: E402
+from kernels_rocm.paged_attention import paged_attention  # noqa: E402
+
+HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
+
+
+def kv_pool(batch: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 K/V pool [2, blocks, BLOCK, KV_HEADS, DIM] and each sequence's blocks, shuffled."""
+    blocks_per_seq = -(-context // BLOCK)
+    pool = torch.randn(2, batch * blocks_per_seq + 1, BLOCK, KV_HEADS, DIM, generator=gen, device="cuda",
+                       dtype=torch.bfloat16)
+    tables = torch.randperm(batch * blocks_per_seq, generator=gen, device="cuda").view(batch, blocks_per_seq)
+    return pool, tables.to(torch.int32)
+
+
+def case(pool: torch.Tensor, tables: torch.Tensor, context: int, q_len: int, gen: torch.Generator) -> tuple:
+    """paged_attention's arguments: every sequence at `context` tokens, its last q_len the queries."""
+    batch = tables.shape[0]
+    q = torch.randn(batch * q_len, HEADS, DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    starts = (torch.arange(batch + 1, device="cuda") * q_len).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return q, pool[0], pool[1], starts, lens, tables, q_len, context, DIM**-0.5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", type=Path, required=True, help="a saved kernels_rocm/paged_attention.py")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
+    args = parser.parse_args()
+    old = load_kernel_version(args.baseline, "paged_attention_baseline").paged_attention
+    copy = measure_copy_bandwidth()["gbps"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for batch in (1, 32, 128):
+        for context in (512, 2048):
+            pool, tables = kv_pool(batch, context, gen)
+            kv_bytes = batch * context * KV_HEADS * DIM * 2 * 2  # K and V, bf16, read once
+            for q_len in range(1, 7):
+                call = case(pool, tables, context, q_len, gen)
+                new_out, old_out = paged_attention(*call), old(*call)
+                row = dict(batch=batch, context=context, q=q_len,
+                           new_us=do_bench(lambda: paged_attention(*call), return_mode="median") * 1e3,
+                           old_us=do_bench(lambda: old(*call), return_mode="median") * 1e3,
+                           max_diff=(new_out.float() - old_out.float()).abs().max().item())
+                row.update(new_copy=kv_bytes / row["new_us"] / 1e3 / copy, old_copy=kv_bytes / row["old_us"] / 1e3 / copy)
+                rows.append(row)
+                print(f"batch {batch} ctx {context} q {q_len}: {row['old_us']:.1f} -> {row['new_us']:.1f} us "
+                      f"({row['old_copy']:.0%} -> {row['new_copy']:.0%} of copy), max diff {row['max_diff']:.2e}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_verify_attention.json").write_text(json.dumps(
+        dict(device=torch.cuda.get_device_name(), copy_gbps=copy, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
