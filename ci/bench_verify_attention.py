@@ -1,9 +1,11 @@
 """Paged MHA attention at speculative-verify widths, this tree's kernel against a saved version.
 
-The Llama-3.1-8B shape (32 q / 8 kv heads, D 128, block 16, bf16 KV), batch 1 / 32 / 128, contexts
-512 / 2048, query rows a sequence q = 1..6 (a verify of k = q - 1 drafts): µs a call (do_bench
-median, L2 flushed), GB/s of the KV read once (what a verify must move) against the copy bandwidth
-measured in the same run, and the largest difference between the two versions' outputs.
+The Llama-3.1-8B shape (32 q / 8 kv heads, D 128, block 16, bf16 KV), batch 32 / 64 / 96 / 128,
+contexts 1k / 2k / 4k, query rows a sequence q = 4..6 (a verify of k = q - 1 drafts): µs a call
+(do_bench median, L2 flushed) of the saved version ("old"), this tree's ("new": its choice of tile),
+and this tree's with every sequence's rows in one program ("one tile":
+VERIFY_ONE_TILE_PROGRAMS_PER_CU = 0); fraction of the copy bandwidth measured in the same run for the
+KV read once (what a verify must move), and the largest difference between old and new outputs.
 
     git show main:kernels_rocm/paged_attention.py > /tmp/paged_attention_main.py
     python ci/bench_verify_attention.py --baseline /tmp/paged_attention_main.py [--out DIR]
@@ -24,6 +26,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from bench_mxfp4 import load_kernel_version, measure_copy_bandwidth  # noqa: E402
+import kernels_rocm.paged_attention as pa_mod  # noqa: E402
 from kernels_rocm.paged_attention import paged_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
@@ -55,22 +58,31 @@ def main() -> None:
     old = load_kernel_version(args.baseline, "paged_attention_baseline").paged_attention
     copy = measure_copy_bandwidth()["gbps"]
     gen = torch.Generator(device="cuda").manual_seed(0)
+    threshold = pa_mod.VERIFY_ONE_TILE_PROGRAMS_PER_CU
+
+    def one_tile(*call):
+        pa_mod.VERIFY_ONE_TILE_PROGRAMS_PER_CU = 0
+        try:
+            return paged_attention(*call)
+        finally:
+            pa_mod.VERIFY_ONE_TILE_PROGRAMS_PER_CU = threshold
+
     rows = []
-    for batch in (1, 32, 128):
-        for context in (512, 2048):
+    for batch in (32, 64, 96, 128):
+        for context in (1024, 2048, 4096):
             pool, tables = kv_pool(batch, context, gen)
             kv_bytes = batch * context * KV_HEADS * DIM * 2 * 2  # K and V, bf16, read once
-            for q_len in range(1, 7):
+            for q_len in (4, 5, 6):
                 call = case(pool, tables, context, q_len, gen)
-                new_out, old_out = paged_attention(*call), old(*call)
                 row = dict(batch=batch, context=context, q=q_len,
-                           new_us=do_bench(lambda: paged_attention(*call), return_mode="median") * 1e3,
-                           old_us=do_bench(lambda: old(*call), return_mode="median") * 1e3,
-                           max_diff=(new_out.float() - old_out.float()).abs().max().item())
-                row.update(new_copy=kv_bytes / row["new_us"] / 1e3 / copy, old_copy=kv_bytes / row["old_us"] / 1e3 / copy)
+                           max_diff=(paged_attention(*call).float() - old(*call).float()).abs().max().item())
+                for name, fn in (("old", old), ("new", paged_attention), ("one_tile", one_tile)):
+                    row[f"{name}_us"] = do_bench(lambda: fn(*call), return_mode="median") * 1e3
+                    row[f"{name}_copy"] = kv_bytes / row[f"{name}_us"] / 1e3 / copy
                 rows.append(row)
-                print(f"batch {batch} ctx {context} q {q_len}: {row['old_us']:.1f} -> {row['new_us']:.1f} us "
-                      f"({row['old_copy']:.0%} -> {row['new_copy']:.0%} of copy), max diff {row['max_diff']:.2e}", flush=True)
+                print(f"batch {batch} ctx {context} q {q_len}: old {row['old_us']:.1f} us ({row['old_copy']:.0%}), "
+                      f"new {row['new_us']:.1f} ({row['new_copy']:.0%}), one tile {row['one_tile_us']:.1f} "
+                      f"({row['one_tile_copy']:.0%}); max diff {row['max_diff']:.2e}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_verify_attention.json").write_text(json.dumps(
         dict(device=torch.cuda.get_device_name(), copy_gbps=copy, rows=rows), indent=1))

@@ -43,7 +43,12 @@ from kernels_rocm._util import (
     check_same_device,
     check_tensor,
     dot_precision,
+    num_compute_units,
 )
+
+# A verify step's rows of a sequence share one program only from this many (sequence, KV head)
+# programs a compute unit: fewer, and splitting the rows over programs is the better parallelism.
+VERIFY_ONE_TILE_PROGRAMS_PER_CU = 3
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -207,10 +212,12 @@ def paged_attention(
     block_m = max(16, triton.next_power_of_2(group))
     if max_query_len * group >= 128:
         block_m = max(block_m, 64)  # prefill: bigger M tiles reuse each KV tile more
-    elif max_query_len > 1:
-        # a verify step's k + 1 rows a sequence in one program where they fit in 64 rows: a program
-        # per 16 / group rows read the sequence's KV once per program (the 8B shape, group 4, at k = 4:
-        # twice, and its step at batch 128 and ~1,700-token contexts cost 7.4 ms more than k = 3's)
+    elif max_query_len > 1 and num_seqs * num_kv_heads >= VERIFY_ONE_TILE_PROGRAMS_PER_CU * num_compute_units(q.device):
+        # a verify step's k + 1 rows a sequence in one program where they fit in 64 rows, once there
+        # are programs enough without splitting them: a program per 16 / group rows reads the
+        # sequence's KV once per program, from HBM when the batch's KV is past L2 (8B shape, group 4,
+        # k = 4, H100: batch 128 at 2k context 545 -> 483 us), while below that the second read hits
+        # L2 and the extra programs help (batch 32: 155 -> 182 us with one program)
         block_m = max(block_m, min(64, triton.next_power_of_2(max_query_len * group)))
     block_q = block_m // group
     head_pad = max(16, triton.next_power_of_2(head_dim))
