@@ -19,7 +19,8 @@ runs `--settle` untimed and `--window` timed steps (zoo: `--zoo-rounds`, `--zoo-
 forwards then backwards. Why: SmolLM2's steps are host-bound, and one mode's windows minutes apart
 moved by up to 1.6x (docs/benchmarks.md section 11), more than the differences measured; turns of
 a fraction of a second put the machine's drift on every mode alike and every mode sees the same
-contexts. tokens/s = tokens generated in a mode's timed steps / their wall time. Every mode also
+contexts. tokens/s = the median over a mode's turns of the tokens a turn generated / its wall time
+(the machine slowed single turns by 10-17% now and then, device-bound steps too). Every mode also
 records each round's tokens/s, its median step overall and per k, the steps that ran eagerly
 instead of replaying graphs, and the full (generation 2) garbage collections that fell inside its
 windows. `--policy-b FILE` adds the adaptive policy of a saved spec_decode/adaptive.py as a mode
@@ -287,11 +288,15 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
     tokens, seconds = sum(w["tokens"] for w in windows), sum(times)
     adaptive = policy is not None and not isinstance(policy, FixedDraftLength)
     seen = policy.times.observed(num_seqs) if adaptive else {}  # the host times an adaptive policy priced by
-    return dict(tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds, mean_k=sum(ks) / len(ks),
+    rounds = [w["tokens"] / sum(w["times"]) for w in windows]
+    # the median turn: a turn the machine slowed down (seen: 10-17% in single turns of device-bound
+    # points) does not move it; tokens_per_s_all is every turn's tokens over their time
+    return dict(tokens_per_s=statistics.median(rounds), tokens_per_s_all=tokens / seconds, tokens=tokens,
+                seconds=seconds, mean_k=sum(ks) / len(ks),
                 k_steps=dict(collections.Counter(ks)), median_step_ms=statistics.median(times) * 1e3,
                 median_step_ms_by_k={k: statistics.median(v) * 1e3 for k, v in sorted(by_k.items())},
                 mean_acceptance_length=spec.mean_acceptance_length if spec.num_drafts else 1.0,
-                round_tokens_per_s=[w["tokens"] / sum(w["times"]) for w in windows],
+                round_tokens_per_s=rounds,
                 host_ms_by_k={k: 1e3 * t for k, t in seen.items()},
                 eager_steps=sum(w["eager_steps"] for w in windows), gc2=sum(w["gc2"] for w in windows),
                 gc2_ms=sum(w["gc2_ms"] for w in windows))
@@ -670,8 +675,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--warm", type=int, default=6, help="untimed steps of every mode before a point's rounds (samek: a window's)")
     parser.add_argument("--adaptive-warm", type=int, default=30, help="more untimed steps of each adaptive policy")
-    parser.add_argument("--rounds", type=int, default=3, help="forced: turns of every mode a point")
-    parser.add_argument("--window", type=int, default=10, help="forced: timed steps of a mode's turn")
+    parser.add_argument("--rounds", type=int, default=5, help="forced: turns of every mode a point")
+    parser.add_argument("--window", type=int, default=8, help="forced: timed steps of a mode's turn")
     parser.add_argument("--settle", type=int, default=3, help="untimed steps opening every turn")
     parser.add_argument("--zoo-rounds", type=int, default=5, help="zoo: turns of every mode a point")
     parser.add_argument("--zoo-window", type=int, default=24, help="zoo: timed steps of a mode's turn (real acceptance is noisy)")

@@ -48,7 +48,10 @@ from kernels_rocm._util import (
 
 # A verify step's rows of a sequence share one program only from this many (sequence, KV head)
 # programs a compute unit: fewer, and splitting the rows over programs is the better parallelism.
-VERIFY_ONE_TILE_PROGRAMS_PER_CU = 3
+# H100, 8B shape (8 KV heads), q = 5 / 6 (ci/bench_verify_attention.py, 2026-11-27): one program a
+# sequence 13-19% faster at batch 96 and 128 (768 and 1,024 programs, 1k-4k contexts), 6-11% slower
+# at batch 64 (512), mixed at 32.
+VERIFY_ONE_TILE_PROGRAMS_PER_CU = 5
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -215,9 +218,9 @@ def paged_attention(
     elif max_query_len > 1 and num_seqs * num_kv_heads >= VERIFY_ONE_TILE_PROGRAMS_PER_CU * num_compute_units(q.device):
         # a verify step's k + 1 rows a sequence in one program where they fit in 64 rows, once there
         # are programs enough without splitting them: a program per 16 / group rows reads the
-        # sequence's KV once per program, from HBM when the batch's KV is past L2 (8B shape, group 4,
-        # k = 4, H100: batch 128 at 2k context 545 -> 483 us), while below that the second read hits
-        # L2 and the extra programs help (batch 32: 155 -> 182 us with one program)
+        # sequence's KV once per program (8B shape, group 4, k = 4, H100: batch 128 at 2k context
+        # 546 -> 484 us), while in smaller batches the extra programs pay (batch 64: 286 -> 316 us
+        # with one program)
         block_m = max(block_m, min(64, triton.next_power_of_2(max_query_len * group)))
     block_q = block_m // group
     head_pad = max(16, triton.next_power_of_2(head_dim))

@@ -58,15 +58,15 @@ def test_prefill_uses_wide_m_tile():
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,q_len", [(8, 2, 5), (8, 2, 6), (16, 2, 9), (6, 2, 7)],
                          ids=["group4-k4", "group4-k5", "group8-k8", "group3-k6"])
-@pytest.mark.parametrize("num_seqs", [8, 4], ids=["one-tile", "row-blocks"])
+@pytest.mark.parametrize("num_seqs", [12, 4], ids=["one-tile", "row-blocks"])
 def test_verify_rows_of_a_sequence_in_one_program(num_heads, num_kv_heads, q_len, num_seqs):
-    # From 3 (sequence, KV head) programs a compute unit (the interpreter counts 4 units: 8 sequences
+    # From 5 (sequence, KV head) programs a compute unit (the interpreter counts 4 units: 12 sequences
     # x 2 KV heads are enough, 4 x 2 are not), k + 1 rows x group up to 64 take one M tile (32 or 64 rows, padded rows masked),
     # group 8 x 9 rows = 72 two of 64; with 4 sequences the rows stay in blocks of 16 / group. Decode
     # rows and shorter widths in the same batch.
     g = torch.Generator().manual_seed(q_len)
-    q_lens = ([q_len, 1, q_len, 3] * 2)[:num_seqs]
-    ctx_lens = ([q_len + 40, 17, q_len + 2, 70, q_len + 9, 5, q_len + 33, 3])[:num_seqs]
+    q_lens = ([q_len, 1, q_len, 3] * 3)[:num_seqs]
+    ctx_lens = [q_len + 40, 17, q_len + 2, 70, q_len + 9, 5, q_len + 33, 3, q_len, 1, q_len + 60, 21][:num_seqs]
     meta = make_metadata(q_lens, ctx_lens, 16, NUM_BLOCKS, g)
     k_cache, v_cache = torch.randn(2, NUM_BLOCKS, 16, num_kv_heads, HEAD_DIM, generator=g)
     q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=g)
