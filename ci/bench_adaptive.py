@@ -6,7 +6,8 @@ verification accepts exactly min(m, drafted) drafts (spec_decode.testing.ForcedA
 m = 0..5 and batch 1/8/32/64/128: decode tokens/s without speculation, at fixed k = 1..5 and
 adaptive (spec_decode/adaptive.py). Graphs are captured once: the fixed and adaptive modes are
 draft policies swapped on the same speculative engine (k = j every step is exactly a fixed-k
-engine's work); no speculation is a plain engine.
+engine's work); no speculation is k = 0 on that engine and batch, and a plain engine is measured
+against it at equal context once a point.
 
 Part "zoo": the SmolLM2 pair (smollm2-135m + smollm2-135m-eagle3 from $ATOM_LIKE_CACHE, as
 ci/nightly_gsm8k.sh uses them) on GSM8K questions (ShareGPT if GSM8K is not installed), at
