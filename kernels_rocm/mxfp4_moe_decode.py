@@ -75,7 +75,10 @@ class DecodeConfig:
     two; gate_up_rows counts intermediate rows, each a gate and an up row), `*_warps` warps a
     program, `*_k_lanes` the most lanes along K (the rest over row groups; None: up to the row's
     16-byte vectors), `down_ahead` (W4A4 on NVIDIA) how many of a token's slots kernel 2 loads
-    ahead of its dots (0: each slot's loads where its dots are, scheduled by the compiler).
+    ahead of its dots (0: each slot's loads where its dots are, scheduled by the compiler),
+    `*_stages` (W4A4 on NVIDIA; 1: off) the pipeline depth of kernel 1's K loop / kernel 2's loop over
+    (slot, K step) units: Triton's pipeliner streams the weight words and activation codes through
+    shared memory (cp.async) STAGES - 1 steps ahead, the scale bytes come one step ahead in registers.
 
     The defaults are ROCm's and W4A16's shape, reasoned, then swept (ci/bench_mxfp4_decode.py
     --sweep; H200, 2026-11-23): two rows a lane and 4 warps give kernel 1 1,024 programs at T = 1 on
@@ -89,6 +92,8 @@ class DecodeConfig:
     gate_up_k_lanes: int | None = None
     down_k_lanes: int | None = None
     down_ahead: int = 0
+    gate_up_stages: int = 1
+    down_stages: int = 1
 
 
 @triton.jit
@@ -208,7 +213,7 @@ def _gate_up_kernel(
     stride_xm: tl.int64, stride_xsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
     stride_se: tl.int64, stride_sn: tl.int64, stride_hm: tl.int64,
     TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr,
-    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -227,12 +232,29 @@ def _gate_up_kernel(
         w_up = w_gate + N * stride_wn
         x_words = x_ptr + (pair // TOP_K) * stride_xm + lane[:, :, :, None] * 8 + words
         x_scales = xs_ptr + (pair // TOP_K) * stride_xsm + lane
-        for j0 in range(0, num_blocks, KL):
-            valid = lane + j0 < num_blocks
-            x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
-            gate += _int_block_partial(w_gate + j0 * 4, s_gate + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
-                                       PTX_DECODE)
-            up += _int_block_partial(w_up + j0 * 4, s_up + j0 * stride_sk, x_lo, x_hi, a_scale, valid, PTX_DECODE)
+        if STAGES > 1:
+            # CUDA: the weight words and activation codes stream through shared memory STAGES - 1 steps ahead
+            # (Triton's pipeliner, cp.async); the scale bytes, too small for cp.async, one step ahead in registers
+            scales = _int_step_scales(s_gate, s_up, x_scales, lane, num_blocks, stride_sk)
+            for j0 in tl.range(0, num_blocks, KL, num_stages=STAGES):
+                valid = lane + j0 < num_blocks
+                s_g, s_u, a_scale = scales
+                scales = _int_step_scales(s_gate + (j0 + KL) * stride_sk, s_up + (j0 + KL) * stride_sk,
+                                          x_scales + j0 + KL, lane + j0 + KL, num_blocks, stride_sk)
+                x_lo = tl.load(x_words + j0 * 8, mask=valid[:, :, :, None], other=0)
+                x_hi = tl.load(x_words + j0 * 8 + 4, mask=valid[:, :, :, None], other=0)
+                w_g = tl.load(w_gate + j0 * 4, mask=valid[:, :, :, None], other=0)
+                w_u = tl.load(w_up + j0 * 4, mask=valid[:, :, :, None], other=0)
+                gate += (_int_dots(w_g, x_lo, x_hi, PTX_DECODE).to(tl.float32) * a_scale) * e8m0_to_fp32(s_g)
+                up += (_int_dots(w_u, x_lo, x_hi, PTX_DECODE).to(tl.float32) * a_scale) * e8m0_to_fp32(s_u)
+        else:
+            for j0 in range(0, num_blocks, KL):
+                valid = lane + j0 < num_blocks
+                x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
+                gate += _int_block_partial(w_gate + j0 * 4, s_gate + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
+                                           PTX_DECODE)
+                up += _int_block_partial(w_up + j0 * 4, s_up + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
+                                         PTX_DECODE)
     else:
         w_gate = w_ptr + expert * stride_we + rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
         w_up = w_gate + N * stride_wn
@@ -245,6 +267,15 @@ def _gate_up_kernel(
     h = silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0), h_ptr.dtype.element_ty)  # [G, R]
     out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
     tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
+
+
+@triton.jit
+def _int_step_scales(s_gate, s_up, x_scales, block, num_blocks, stride_sk):
+    """Kernel 1's scale bytes of one K step (pointers at the step, `block` [KL, 1, 1] each lane's block
+    index): gate and up weight scale bytes [KL, G, R] and the activation scale / 4 [KL, 1, 1]."""
+    valid = block < num_blocks
+    a_scale = e8m0_to_fp32(tl.load(x_scales, mask=valid, other=127)) * 0.25
+    return tl.load(s_gate, mask=valid, other=127), tl.load(s_up, mask=valid, other=127), a_scale
 
 
 @triton.jit
@@ -336,6 +367,51 @@ def _int_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E,
     return acc
 
 
+@triton.jit
+def _int_unit_scales(hs_ptr, s_ptr, ids_ptr, pair, j0, here, E, num_blocks, stride_sk, stride_hsm, stride_se, s_tile,
+                     lane):
+    """The scale bytes kernel 2 reads for one (pair, K step) unit with MXFP4 activations: the weight rows' E8M0
+    bytes [KL, G, R] and the h block's scale / 4 [KL, 1, 1]; nothing is read for an id out of range or where
+    `here` is False (past the token's last unit)."""
+    expert = tl.load(ids_ptr + pair, mask=here, other=-1).to(tl.int64)
+    known = (expert >= 0) & (expert < E)
+    valid = (lane + j0 < num_blocks) & known
+    a_scale = e8m0_to_fp32(tl.load(hs_ptr + pair * stride_hsm + lane + j0, mask=valid, other=127)) * 0.25
+    return tl.load(s_ptr + tl.where(known, expert, 0) * stride_se + s_tile + j0 * stride_sk, mask=valid, other=127), a_scale
+
+
+@triton.jit
+def _int_pipelined_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E, K, stride_sk, stride_hm,
+                         stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, words, PTX_DOT: tl.constexpr,
+                         TOP_K: tl.constexpr, K_STEPS: tl.constexpr, STAGES: tl.constexpr, KL: tl.constexpr,
+                         G: tl.constexpr, R: tl.constexpr):
+    """Kernel 2's sum over a token's (slot, K step) units with MXFP4 activations (CUDA) as a loop that Triton's
+    pipeliner streams: each unit's weight words and h codes go through shared memory STAGES - 1 units ahead
+    (cp.async), its scale bytes (too small for cp.async) one unit ahead in registers. Each unit's partial is
+    multiplied by its slot's routing weight (the unrolled paths sum a slot's K steps first: the same sum up to
+    fp32 rounding where K_STEPS > 1)."""
+    num_blocks = K // 32
+    UNITS: tl.constexpr = TOP_K * K_STEPS
+    acc = tl.zeros([KL, G, R], dtype=tl.float32)
+    scales = _int_unit_scales(hs_ptr, s_ptr, ids_ptr, token * TOP_K, 0, True, E, num_blocks, stride_sk, stride_hsm,
+                              stride_se, s_tile, lane)
+    for u in tl.range(0, UNITS, num_stages=STAGES):
+        pair = token * TOP_K + u // K_STEPS
+        j0 = (u % K_STEPS) * KL
+        s, a_scale = scales
+        scales = _int_unit_scales(hs_ptr, s_ptr, ids_ptr, token * TOP_K + (u + 1) // K_STEPS, ((u + 1) % K_STEPS) * KL,
+                                  u + 1 < UNITS, E, num_blocks, stride_sk, stride_hsm, stride_se, s_tile, lane)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        known = (expert >= 0) & (expert < E)
+        valid = ((lane + j0 < num_blocks) & known)[:, :, :, None]
+        x_lo = tl.load(h_ptr + pair * stride_hm + lane[:, :, :, None] * 8 + words + j0 * 8, mask=valid, other=0)
+        x_hi = tl.load(h_ptr + pair * stride_hm + lane[:, :, :, None] * 8 + words + j0 * 8 + 4, mask=valid, other=0)
+        w = tl.load(w_ptr + tl.where(known, expert, 0) * stride_we + w_tile + j0 * 4, mask=valid, other=0)
+        part = (_int_dots(w, x_lo, x_hi, PTX_DOT).to(tl.float32) * a_scale) * e8m0_to_fp32(s)
+        acc += part * tl.load(topk_weights_ptr + pair)
+    return acc
+
+
 @triton.jit(do_not_specialize=["stride_sk"])
 def _down_kernel(
     h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, topk_weights_ptr,
@@ -344,7 +420,7 @@ def _down_kernel(
     stride_se: tl.int64, stride_sn: tl.int64, stride_om: tl.int64,
     TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, UNROLL_SLOTS: tl.constexpr,
     K_STEPS: tl.constexpr, AHEAD: tl.constexpr, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
-    PDL: tl.constexpr,
+    STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -356,7 +432,11 @@ def _down_kernel(
         w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
     s_tile = rows * stride_sn + lane * stride_sk
     acc = tl.zeros([KL, G, R], dtype=tl.float32)
-    if AHEAD:  # W4A4 on CUDA
+    if STAGES > 1:  # W4A4 on CUDA
+        acc = _int_pipelined_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E, K, stride_sk,
+                                   stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act, PTX_DECODE,
+                                   TOP_K, K_STEPS, STAGES, KL, G, R)
+    elif AHEAD:  # W4A4 on CUDA
         acc = _int_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E, K, stride_sk, stride_hm,
                          stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act, PTX_DECODE, TOP_K, K_STEPS, AHEAD,
                          KL, G, R)
@@ -450,6 +530,8 @@ def fused_moe_mxfp4_decode(
     top_k = topk_ids.shape[1]
     cfg = config or default_config(num_tokens, top_k, hidden, inter, quantize_activations, x.device)
     _check_config(cfg)
+    if min(cfg.gate_up_stages, cfg.down_stages) < 1 or (cfg.down_stages > 1 and cfg.down_ahead):
+        raise ValueError(f"DecodeConfig: stages must be >= 1, and down_ahead 0 where down_stages > 1; got {cfg}")
     ptx = not IS_HIP and not INTERPRET  # the CUDA weight decode / integer dot in PTX
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     if quantize_activations:  # W4A4: integer dots of the codes, the weights read as int32 words
@@ -462,7 +544,7 @@ def fused_moe_mxfp4_decode(
         x, x_scales, w13, w13_scale, h, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
         x.stride(0), x_scales.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         h.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, KL=kl, G=g, R=r,
-        num_warps=cfg.gate_up_warps, **pdl.launch_args(x.device),
+        STAGES=cfg.gate_up_stages if quantize_activations and not IS_HIP else 1, num_warps=cfg.gate_up_warps, **pdl.launch_args(x.device),
     )
     h_in, h_scales = h, h
     if quantize_activations:
@@ -475,7 +557,8 @@ def fused_moe_mxfp4_decode(
         h_in.stride(0), h_scales.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         out.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, UNROLL_SLOTS=not IS_HIP,
         K_STEPS=k_steps, AHEAD=min(cfg.down_ahead, top_k * k_steps) if quantize_activations and not IS_HIP else 0,
-        KL=kl, G=g, R=r, num_warps=cfg.down_warps, **pdl.launch_args(x.device),
+        KL=kl, G=g, R=r, STAGES=cfg.down_stages if quantize_activations and not IS_HIP else 1, num_warps=cfg.down_warps,
+        **pdl.launch_args(x.device),
     )
     return out
 
