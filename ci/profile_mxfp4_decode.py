@@ -68,10 +68,9 @@ VARIANTS = {
     "g_2rows": dict(gate_up_rows=2, gate_up_warps=4, gate_up_k_lanes=None),
     "g_2warps": dict(gate_up_rows=4, gate_up_warps=2, gate_up_k_lanes=None),
     "g_16rows": dict(gate_up_rows=4, gate_up_warps=4, gate_up_k_lanes=32),
-    # loops pipelined through shared memory (DecodeConfig.gate_up_stages / down_stages)
-    **{f"g{n}": dict(gate_up_stages=n) for n in (2, 3, 4)},
-    **{f"d{n}": dict(down_stages=n, down_ahead=0) for n in (2, 3, 4)},
-    "g3d3": dict(gate_up_stages=3, down_stages=3, down_ahead=0),
+    # kernel 1's K steps split over programs (DecodeConfig.gate_up_splits), on the dispatch's tile and on 16-row tiles
+    **{f"s{n}": dict(gate_up_splits=n) for n in (2, 4, 7)},
+    **{f"g_16rows_s{n}": dict(gate_up_rows=4, gate_up_warps=4, gate_up_k_lanes=32, gate_up_splits=n) for n in (4, 7)},
 }
 
 

@@ -76,9 +76,8 @@ class DecodeConfig:
     program, `*_k_lanes` the most lanes along K (the rest over row groups; None: up to the row's
     16-byte vectors), `down_ahead` (W4A4 on NVIDIA) how many of a token's slots kernel 2 loads
     ahead of its dots (0: each slot's loads where its dots are, scheduled by the compiler),
-    `*_stages` (W4A4 on NVIDIA; 1: off) the pipeline depth of kernel 1's K loop / kernel 2's loop over
-    (slot, K step) units: Triton's pipeliner streams the weight words and activation codes through
-    shared memory (cp.async) STAGES - 1 steps ahead, the scale bytes come one step ahead in registers.
+    `gate_up_splits` (W4A4) over how many programs kernel 1 splits each row tile's K steps: each writes
+    fp32 partial sums and h's quantize launch adds them up (`quantize_gate_up_partials`).
 
     The defaults are ROCm's and W4A16's shape, reasoned, then swept (ci/bench_mxfp4_decode.py
     --sweep; H200, 2026-11-23): two rows a lane and 4 warps give kernel 1 1,024 programs at T = 1 on
@@ -92,8 +91,7 @@ class DecodeConfig:
     gate_up_k_lanes: int | None = None
     down_k_lanes: int | None = None
     down_ahead: int = 0
-    gate_up_stages: int = 1
-    down_stages: int = 1
+    gate_up_splits: int = 1
 
 
 @triton.jit
@@ -126,15 +124,27 @@ def _activation_block(ptrs, valid, KL: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, stride_x: tl.int64, stride_codes: tl.int64,
-                          stride_scales: tl.int64, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                          stride_scales: tl.int64, width, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                          H_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """codes[row], scales[row] = the MXFP4 quantization of x[row] per 32 consecutive values
     (quantize_mxfp4_blocks; a width that is a multiple of 32: the masked tail holds whole
-    blocks), the codes of each block in paired word order (`quantize_rows`)."""
+    blocks), the codes of each block in paired word order (`quantize_rows`). SPLITS > 0: x holds
+    kernel 1's fp32 partial sums [SPLITS, rows, 2 * width] (gate, then up; row stride stride_x) and
+    the row quantized is h = silu(gate) * up of their sums (in split order), rounded to H_DTYPE."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = cols < width
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if SPLITS:
+        gate = tl.zeros([1, BLOCK], dtype=tl.float32)
+        up = tl.zeros([1, BLOCK], dtype=tl.float32)
+        for split in tl.static_range(SPLITS):
+            part = x_ptr + (split * tl.num_programs(0) + row) * stride_x + cols
+            gate += tl.load(part, mask=mask, other=0.0)
+            up += tl.load(part + width, mask=mask, other=0.0)
+        x = silu_mul(gate, up, H_DTYPE).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     codes, scales = quantize_mxfp4_blocks(x, 1, BLOCK)
     word = (cols % 32) // 4
     paired = cols - cols % 32 + (word // 2 + 4 * (word % 2)) * 4 + cols % 4
@@ -208,12 +218,12 @@ def _tile_offsets(N, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
 # weights int32 words (strides in words), and each block is an integer dot (`_int_block_partial`).
 @triton.jit(do_not_specialize=["stride_sk"])
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, ids_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, part_ptr, ids_ptr,
     N, K, E, stride_sk,  # N = intermediate size I (gate rows [0, N), up rows [N, 2N)), K = hidden size H, E experts
     stride_xm: tl.int64, stride_xsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
     stride_se: tl.int64, stride_sn: tl.int64, stride_hm: tl.int64,
     TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr,
-    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr,
+    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -226,56 +236,40 @@ def _gate_up_kernel(
     gate = tl.zeros([KL, G, R], dtype=tl.float32)
     up = tl.zeros([KL, G, R], dtype=tl.float32)
     num_blocks = K // 32
+    first, last = 0, num_blocks  # the blocks of K this program sums: with SPLITS, its share of the K steps
+    if SPLITS > 1:
+        share = tl.cdiv(num_blocks, KL * SPLITS) * KL
+        first = tl.program_id(2) * share
+        last = tl.minimum(first + share, num_blocks)
     if A_INT:
         words = _int_words(G)
         w_gate = w_ptr + expert * stride_we + rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 4 + words
         w_up = w_gate + N * stride_wn
         x_words = x_ptr + (pair // TOP_K) * stride_xm + lane[:, :, :, None] * 8 + words
         x_scales = xs_ptr + (pair // TOP_K) * stride_xsm + lane
-        if STAGES > 1:
-            # CUDA: the weight words and activation codes stream through shared memory STAGES - 1 steps ahead
-            # (Triton's pipeliner, cp.async); the scale bytes, too small for cp.async, one step ahead in registers
-            scales = _int_step_scales(s_gate, s_up, x_scales, lane, num_blocks, stride_sk)
-            for j0 in tl.range(0, num_blocks, KL, num_stages=STAGES):
-                valid = lane + j0 < num_blocks
-                s_g, s_u, a_scale = scales
-                scales = _int_step_scales(s_gate + (j0 + KL) * stride_sk, s_up + (j0 + KL) * stride_sk,
-                                          x_scales + j0 + KL, lane + j0 + KL, num_blocks, stride_sk)
-                x_lo = tl.load(x_words + j0 * 8, mask=valid[:, :, :, None], other=0)
-                x_hi = tl.load(x_words + j0 * 8 + 4, mask=valid[:, :, :, None], other=0)
-                w_g = tl.load(w_gate + j0 * 4, mask=valid[:, :, :, None], other=0)
-                w_u = tl.load(w_up + j0 * 4, mask=valid[:, :, :, None], other=0)
-                gate += (_int_dots(w_g, x_lo, x_hi, PTX_DECODE).to(tl.float32) * a_scale) * e8m0_to_fp32(s_g)
-                up += (_int_dots(w_u, x_lo, x_hi, PTX_DECODE).to(tl.float32) * a_scale) * e8m0_to_fp32(s_u)
-        else:
-            for j0 in range(0, num_blocks, KL):
-                valid = lane + j0 < num_blocks
-                x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
-                gate += _int_block_partial(w_gate + j0 * 4, s_gate + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
-                                           PTX_DECODE)
-                up += _int_block_partial(w_up + j0 * 4, s_up + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
-                                         PTX_DECODE)
+        for j0 in range(first, last, KL):
+            valid = lane + j0 < num_blocks
+            x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
+            gate += _int_block_partial(w_gate + j0 * 4, s_gate + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
+                                       PTX_DECODE)
+            up += _int_block_partial(w_up + j0 * 4, s_up + j0 * stride_sk, x_lo, x_hi, a_scale, valid, PTX_DECODE)
     else:
         w_gate = w_ptr + expert * stride_we + rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
         w_up = w_gate + N * stride_wn
         a_ptrs = x_ptr + (pair // TOP_K) * stride_xm + lane[:, :, :, None] * 32 + act
-        for j0 in range(0, num_blocks, KL):
+        for j0 in range(first, last, KL):
             valid = lane + j0 < num_blocks
             a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, KL, G)
             gate += _block_partial(w_gate + j0 * 16, s_gate + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
             up += _block_partial(w_up + j0 * 16, s_up + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
-    h = silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0), h_ptr.dtype.element_ty)  # [G, R]
     out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
-    tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
-
-
-@triton.jit
-def _int_step_scales(s_gate, s_up, x_scales, block, num_blocks, stride_sk):
-    """Kernel 1's scale bytes of one K step (pointers at the step, `block` [KL, 1, 1] each lane's block
-    index): gate and up weight scale bytes [KL, G, R] and the activation scale / 4 [KL, 1, 1]."""
-    valid = block < num_blocks
-    a_scale = e8m0_to_fp32(tl.load(x_scales, mask=valid, other=127)) * 0.25
-    return tl.load(s_gate, mask=valid, other=127), tl.load(s_up, mask=valid, other=127), a_scale
+    if SPLITS > 1:  # fp32 partial sums [SPLITS, pairs, 2N], added up by `quantize_gate_up_partials`
+        part = part_ptr + (tl.program_id(2) * tl.num_programs(0) + pair) * (2 * N) + out_rows
+        tl.store(part, tl.sum(gate, axis=0), mask=row_valid)
+        tl.store(part + N, tl.sum(up, axis=0), mask=row_valid)
+    else:
+        h = silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0), h_ptr.dtype.element_ty)  # [G, R]
+        tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
 
 
 @triton.jit
@@ -367,51 +361,6 @@ def _int_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E,
     return acc
 
 
-@triton.jit
-def _int_unit_scales(hs_ptr, s_ptr, ids_ptr, pair, j0, here, E, num_blocks, stride_sk, stride_hsm, stride_se, s_tile,
-                     lane):
-    """The scale bytes kernel 2 reads for one (pair, K step) unit with MXFP4 activations: the weight rows' E8M0
-    bytes [KL, G, R] and the h block's scale / 4 [KL, 1, 1]; nothing is read for an id out of range or where
-    `here` is False (past the token's last unit)."""
-    expert = tl.load(ids_ptr + pair, mask=here, other=-1).to(tl.int64)
-    known = (expert >= 0) & (expert < E)
-    valid = (lane + j0 < num_blocks) & known
-    a_scale = e8m0_to_fp32(tl.load(hs_ptr + pair * stride_hsm + lane + j0, mask=valid, other=127)) * 0.25
-    return tl.load(s_ptr + tl.where(known, expert, 0) * stride_se + s_tile + j0 * stride_sk, mask=valid, other=127), a_scale
-
-
-@triton.jit
-def _int_pipelined_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E, K, stride_sk, stride_hm,
-                         stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, words, PTX_DOT: tl.constexpr,
-                         TOP_K: tl.constexpr, K_STEPS: tl.constexpr, STAGES: tl.constexpr, KL: tl.constexpr,
-                         G: tl.constexpr, R: tl.constexpr):
-    """Kernel 2's sum over a token's (slot, K step) units with MXFP4 activations (CUDA) as a loop that Triton's
-    pipeliner streams: each unit's weight words and h codes go through shared memory STAGES - 1 units ahead
-    (cp.async), its scale bytes (too small for cp.async) one unit ahead in registers. Each unit's partial is
-    multiplied by its slot's routing weight (the unrolled paths sum a slot's K steps first: the same sum up to
-    fp32 rounding where K_STEPS > 1)."""
-    num_blocks = K // 32
-    UNITS: tl.constexpr = TOP_K * K_STEPS
-    acc = tl.zeros([KL, G, R], dtype=tl.float32)
-    scales = _int_unit_scales(hs_ptr, s_ptr, ids_ptr, token * TOP_K, 0, True, E, num_blocks, stride_sk, stride_hsm,
-                              stride_se, s_tile, lane)
-    for u in tl.range(0, UNITS, num_stages=STAGES):
-        pair = token * TOP_K + u // K_STEPS
-        j0 = (u % K_STEPS) * KL
-        s, a_scale = scales
-        scales = _int_unit_scales(hs_ptr, s_ptr, ids_ptr, token * TOP_K + (u + 1) // K_STEPS, ((u + 1) % K_STEPS) * KL,
-                                  u + 1 < UNITS, E, num_blocks, stride_sk, stride_hsm, stride_se, s_tile, lane)
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        known = (expert >= 0) & (expert < E)
-        valid = ((lane + j0 < num_blocks) & known)[:, :, :, None]
-        x_lo = tl.load(h_ptr + pair * stride_hm + lane[:, :, :, None] * 8 + words + j0 * 8, mask=valid, other=0)
-        x_hi = tl.load(h_ptr + pair * stride_hm + lane[:, :, :, None] * 8 + words + j0 * 8 + 4, mask=valid, other=0)
-        w = tl.load(w_ptr + tl.where(known, expert, 0) * stride_we + w_tile + j0 * 4, mask=valid, other=0)
-        part = (_int_dots(w, x_lo, x_hi, PTX_DOT).to(tl.float32) * a_scale) * e8m0_to_fp32(s)
-        acc += part * tl.load(topk_weights_ptr + pair)
-    return acc
-
-
 @triton.jit(do_not_specialize=["stride_sk"])
 def _down_kernel(
     h_ptr, hs_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, topk_weights_ptr,
@@ -420,7 +369,7 @@ def _down_kernel(
     stride_se: tl.int64, stride_sn: tl.int64, stride_om: tl.int64,
     TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr, UNROLL_SLOTS: tl.constexpr,
     K_STEPS: tl.constexpr, AHEAD: tl.constexpr, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
-    STAGES: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -432,11 +381,7 @@ def _down_kernel(
         w_tile = rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
     s_tile = rows * stride_sn + lane * stride_sk
     acc = tl.zeros([KL, G, R], dtype=tl.float32)
-    if STAGES > 1:  # W4A4 on CUDA
-        acc = _int_pipelined_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E, K, stride_sk,
-                                   stride_hm, stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act, PTX_DECODE,
-                                   TOP_K, K_STEPS, STAGES, KL, G, R)
-    elif AHEAD:  # W4A4 on CUDA
+    if AHEAD:  # W4A4 on CUDA
         acc = _int_slots(h_ptr, hs_ptr, w_ptr, s_ptr, ids_ptr, topk_weights_ptr, token, E, K, stride_sk, stride_hm,
                          stride_hsm, stride_we, stride_se, w_tile, s_tile, lane, act, PTX_DECODE, TOP_K, K_STEPS, AHEAD,
                          KL, G, R)
@@ -459,14 +404,27 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     one launch: (codes int8 [M, W], twice each E2M1 value; scales uint8 [M, W / 32]). The codes of
     a 32-block are stored in paired word order, words (4 codes each) 0, 2, 4, 6, 1, 3, 5, 7, so
     that the decode kernels read a weight word's 8 activations as word i of each half."""
-    rows, width = x.shape
+    return _quantize(x, x.shape[0], x.shape[1], 0, tl.float32)
+
+
+def quantize_gate_up_partials(part: torch.Tensor, h_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of h = silu(gate) * up rounded to h_dtype, from kernel 1's fp32 partial sums
+    part [splits, rows, 2I] (gate sums, then up sums; added up in split order), in one launch."""
+    splits, rows, two_width = part.shape
+    return _quantize(part, rows, two_width // 2, splits, _TL_DTYPE[h_dtype])
+
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _quantize(x: torch.Tensor, rows: int, width: int, splits: int, h_dtype) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(rows, width, dtype=torch.int8, device=x.device)
     scales = torch.empty(rows, width // MX_BLOCK, dtype=torch.uint8, device=x.device)
     if rows and width:
         block = min(1024, triton.next_power_of_2(width))
         _quantize_rows_kernel[(rows, triton.cdiv(width, block))](
-            x, codes, scales, x.stride(0), codes.stride(0), scales.stride(0), width, BLOCK=block, num_warps=4,
-            **pdl.launch_args(x.device))
+            x, codes, scales, x.stride(-2), codes.stride(0), scales.stride(0), width, BLOCK=block, SPLITS=splits,
+            H_DTYPE=h_dtype, num_warps=4, **pdl.launch_args(x.device))
     return codes, scales
 
 
@@ -530,25 +488,27 @@ def fused_moe_mxfp4_decode(
     top_k = topk_ids.shape[1]
     cfg = config or default_config(num_tokens, top_k, hidden, inter, quantize_activations, x.device)
     _check_config(cfg)
-    if min(cfg.gate_up_stages, cfg.down_stages) < 1 or (cfg.down_stages > 1 and cfg.down_ahead):
-        raise ValueError(f"DecodeConfig: stages must be >= 1, and down_ahead 0 where down_stages > 1; got {cfg}")
+    splits = cfg.gate_up_splits
+    if splits < 1 or (splits > 1 and not quantize_activations):
+        raise ValueError(f"DecodeConfig.gate_up_splits must be >= 1, and 1 without MXFP4 activations; got {splits}")
     ptx = not IS_HIP and not INTERPRET  # the CUDA weight decode / integer dot in PTX
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    part = torch.empty(splits, num_tokens * top_k, 2 * inter, dtype=torch.float32, device=x.device) if splits > 1 else h
     if quantize_activations:  # W4A4: integer dots of the codes, the weights read as int32 words
         (x, x_scales), w13, w2 = quantize_rows(x), _words(w13, "w13"), _words(w2, "w2")
         x = x.view(torch.int32)
     else:
         x_scales = x  # unused
     kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps, cfg.gate_up_k_lanes)
-    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, g * r))](
-        x, x_scales, w13, w13_scale, h, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
+    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, g * r), splits)](
+        x, x_scales, w13, w13_scale, h, part, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
         x.stride(0), x_scales.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        h.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, KL=kl, G=g, R=r,
-        STAGES=cfg.gate_up_stages if quantize_activations and not IS_HIP else 1, num_warps=cfg.gate_up_warps, **pdl.launch_args(x.device),
+        h.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, KL=kl, G=g, R=r, SPLITS=splits,
+        num_warps=cfg.gate_up_warps, **pdl.launch_args(x.device),
     )
     h_in, h_scales = h, h
     if quantize_activations:
-        h_in, h_scales = quantize_rows(h)
+        h_in, h_scales = quantize_rows(h) if splits == 1 else quantize_gate_up_partials(part, h.dtype)
         h_in = h_in.view(torch.int32)
     kl, g, r = _tile(inter, cfg.down_rows, cfg.down_warps, cfg.down_k_lanes)
     k_steps = triton.cdiv(inter // MX_BLOCK, kl)
@@ -557,8 +517,7 @@ def fused_moe_mxfp4_decode(
         h_in.stride(0), h_scales.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         out.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, UNROLL_SLOTS=not IS_HIP,
         K_STEPS=k_steps, AHEAD=min(cfg.down_ahead, top_k * k_steps) if quantize_activations and not IS_HIP else 0,
-        KL=kl, G=g, R=r, STAGES=cfg.down_stages if quantize_activations and not IS_HIP else 1, num_warps=cfg.down_warps,
-        **pdl.launch_args(x.device),
+        KL=kl, G=g, R=r, num_warps=cfg.down_warps, **pdl.launch_args(x.device),
     )
     return out
 

@@ -315,16 +315,15 @@ def test_moe_decode_kernel_2_loads_ahead(ahead):
     assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=in_turn))
 
 
-def test_moe_decode_pipelined_loops():
-    """W4A4 with both kernels' loops written for Triton's pipeliner (`gate_up_stages`, `down_stages`: on
-    CUDA the weight words and codes through shared memory, the scale bytes one step ahead; a plain loop
-    here): H of 36 blocks over 32 lanes (two K steps in kernel 1, the second partly masked), 2 lanes along
-    I = 3 blocks in kernel 2 (2 K steps a slot, the second half masked), ids out of range adding nothing."""
-    g = torch.Generator().manual_seed(36)
+@pytest.mark.parametrize("splits", [2, 3], ids=lambda s: f"splits{s}")
+def test_moe_decode_kernel_1_split_along_k(splits):
+    """W4A4 with kernel 1's K steps split over programs (`gate_up_splits`), their fp32 partial sums added
+    up in h's quantize launch: H of 36 blocks over 32 lanes is two K steps (the second partly masked), so
+    3 splits leave the third program no step (it writes zeros); an id out of range adds nothing."""
+    g = torch.Generator().manual_seed(37)
     x, w13, s13, w2, s2, weights, ids = _moe_case(3, 3, g, hot=4, hidden=36 * 32, inter=96)
-    ids[1, 2], ids[2, 0] = -1, EXPERTS
-    config = DecodeConfig(gate_up_rows=8, gate_up_warps=1, down_warps=1, down_k_lanes=2, gate_up_stages=3,
-                          down_stages=3)
+    ids[1, 2] = -1
+    config = DecodeConfig(gate_up_rows=8, gate_up_warps=1, gate_up_splits=splits)
     out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, out=nan_like(x), config=config)
     _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, True))
 
@@ -365,7 +364,5 @@ def test_moe_decode_rejects_bad_config():
         fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=DecodeConfig(down_warps=16))
     with pytest.raises(ValueError, match="gate_up_k_lanes"):
         fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=DecodeConfig(gate_up_k_lanes=24))
-    with pytest.raises(ValueError, match="stages"):
-        fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=DecodeConfig(gate_up_stages=0))
-    with pytest.raises(ValueError, match="down_ahead"):
-        fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=DecodeConfig(down_ahead=2, down_stages=2))
+    with pytest.raises(ValueError, match="gate_up_splits"):
+        fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=DecodeConfig(gate_up_splits=2))

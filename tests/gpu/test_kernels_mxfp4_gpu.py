@@ -129,9 +129,6 @@ def test_moe_decode_path_matches_grouped_path(num_tokens, quantize):
 DECODE_W4A4_AHEAD = {
     "2_rows_ahead_4": DecodeConfig(down_ahead=4),
     "16_row_tiles_ahead_8": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4, down_ahead=8),
-    "2_rows_pipelined_3": DecodeConfig(gate_up_stages=3, down_stages=3),
-    "16_row_tiles_pipelined_3": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4, gate_up_stages=3,
-                                             down_stages=3),
 }
 
 
@@ -139,10 +136,8 @@ DECODE_W4A4_AHEAD = {
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
 @pytest.mark.parametrize("name", list(DECODE_W4A4_AHEAD))
 def test_moe_decode_kernel_2_loads_ahead_compiled(name, shape, num_tokens):
-    """The decode path's loads issued ahead of their dots (W4A4): kernel 2's slots (down_ahead) or both
-    kernels' loops pipelined (gate_up_stages, down_stages: cp.async through shared memory), compiled and
-    graph-replayed with new routing: against the fp32 reference, and bit for bit the loads in turn (one K
-    step a slot in kernel 2 at these shapes: the same sums in the same order)."""
+    """The decode path's kernel 2 issuing slots' loads ahead (down_ahead, W4A4), compiled and
+    graph-replayed with new routing: against the fp32 reference, and bit for bit the loads in turn."""
     config = DECODE_W4A4_AHEAD[name]
     x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=15)
     graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=config))
@@ -152,8 +147,35 @@ def test_moe_decode_kernel_2_loads_ahead_compiled(name, shape, num_tokens):
         ids.copy_(new_ids)
         graph.replay()
         assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, True))
-        in_turn = dataclasses.replace(config, down_ahead=0, gate_up_stages=1, down_stages=1)
+        in_turn = dataclasses.replace(config, down_ahead=0)
         assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=in_turn))
+
+
+DECODE_W4A4_SPLITS = {
+    "2_rows_2_splits": DecodeConfig(gate_up_splits=2, down_ahead=4),
+    "16_row_tiles_4_splits": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4, gate_up_splits=4),
+    "16_row_tiles_7_splits": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4, gate_up_splits=7),
+}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 32])
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+@pytest.mark.parametrize("name", list(DECODE_W4A4_SPLITS))
+def test_moe_decode_kernel_1_split_compiled(name, shape, num_tokens):
+    """Kernel 1's K steps split over programs (gate_up_splits, W4A4), the partial sums added up in h's
+    quantize launch, compiled and graph-replayed with new routing: against the fp32 reference and the
+    unsplit kernel (the same sums in another fp32 order)."""
+    config = DECODE_W4A4_SPLITS[name]
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=18)
+    graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=config))
+    for seed in (19, 20):
+        _, _, _, _, _, new_weights, new_ids = moe_inputs(shape, num_tokens, seed=seed)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, True))
+        unsplit = dataclasses.replace(config, gate_up_splits=1)
+        assert_rel_close(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=unsplit))
 
 
 def test_moe_decode_e8m0_bytes_0_and_254_compiled():
