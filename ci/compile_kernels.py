@@ -212,9 +212,6 @@ CASES: dict[str, Callable[[str], None]] = {
     "MXFP4 MoE decode Kimi TP8 T16 w4a4 16-row tiles": lambda _: _mxfp4_moe(
         384, 8, 7168, 256, 16, True,
         decode=mxfp4_moe_decode_mod.DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4)),
-    "MXFP4 MoE decode Kimi TP8 T4 w4a4 16-row tiles split 4": lambda _: _mxfp4_moe(
-        384, 8, 7168, 256, 4, True,
-        decode=mxfp4_moe_decode_mod.DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4, gate_up_splits=4)),
     "MXFP4 MoE decode Kimi E384 I2048 T1 w4a4 16-row tiles": lambda _: _mxfp4_moe(
         384, 8, 7168, 2048, 1, True,
         decode=mxfp4_moe_decode_mod.DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4)),

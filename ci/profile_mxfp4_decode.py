@@ -11,16 +11,11 @@ bench (its generator, its order), other counts from a generator of their own. Pe
   (L2 flushed between them), with PDL and without: each launch's duration (without PDL the kernel
   alone; with PDL a kernel starts early and its duration includes its wait), the gaps between
   launches, the span first start - last end, and the call's time without PDL.
-With --baseline (a saved kernels_rocm/mxfp4_moe_decode.py, e.g. `git show main:kernels_rocm/mxfp4_moe_decode.py`)
-that version's decode path with its own default launch shape is timed at every point too, first and
-again after the variants ("baseline", "baseline_again": the run-to-run spread), and checked; with --bf16
-the bf16 fused MoE (kernels_rocm.fused_moe, the issue's 3x baseline) at the same shape and routing.
 `--ncu` then runs itself under Nsight Compute (if found) for the kernels of --ncu-variants at TP8 T = 4
 and 32 and full width T = 1 (duration, DRAM bytes and throughput, L2 bytes, instructions, issue
 activity, occupancy, warp stall reasons; --clock-control none, caches flushed) into ncu.csv.
 
 Usage: python ci/profile_mxfp4_decode.py [--out DIR] [--tokens "tp8:1,4;full:1"] [--timeline] [--ncu]
-       [--baseline FILE] [--bf16] [--variants auto,g3,d3]
 Writes profile_mxfp4_decode.json / .md (after every point) to DIR (default $OUT or ./bench_out).
 Exit 1 if a check fails.
 """
@@ -47,12 +42,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench_mxfp4 import (  # noqa: E402
-    DEVICE, MOE_SHAPES, REL_TOL, MoeWeights, load_kernel_version, measure_copy_bandwidth, moe_call_inputs,
-    moe_reference, rel_error, time_graph,
+    DEVICE, MOE_SHAPES, REL_TOL, MoeWeights, measure_copy_bandwidth, moe_call_inputs, moe_reference, rel_error,
+    time_graph,
 )
 from bench_mxfp4_expert_gemv import TOKENS as BENCH_TOKENS  # noqa: E402
 from kernels_rocm import _pdl as pdl  # noqa: E402
-from kernels_rocm.fused_moe import fused_moe  # noqa: E402
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig  # noqa: E402
 from kernels_rocm.mxfp4_moe_decode import default_config as decode_default  # noqa: E402
 from kernels_rocm.mxfp4_moe_expert_gemv import default_config as expert_default  # noqa: E402
@@ -68,9 +62,6 @@ VARIANTS = {
     "g_2rows": dict(gate_up_rows=2, gate_up_warps=4, gate_up_k_lanes=None),
     "g_2warps": dict(gate_up_rows=4, gate_up_warps=2, gate_up_k_lanes=None),
     "g_16rows": dict(gate_up_rows=4, gate_up_warps=4, gate_up_k_lanes=32),
-    # kernel 1's K steps split over programs (DecodeConfig.gate_up_splits), on the dispatch's tile and on 16-row tiles
-    **{f"s{n}": dict(gate_up_splits=n) for n in (2, 4, 7)},
-    **{f"g_16rows_s{n}": dict(gate_up_rows=4, gate_up_warps=4, gate_up_k_lanes=32, gate_up_splits=n) for n in (4, 7)},
 }
 
 
@@ -143,65 +134,47 @@ def _inputs(weights: MoeWeights, tokens: int):
 
 
 def profile(copy_gbps: float, points: dict[str, list[int]], variants: list[str], timeline: bool,
-            save, baseline=None, bf16: bool = False) -> tuple[list[dict], list[str]]:
-    """Rows and failures; `save(rows, failures)` after every row (a run cut short keeps them).
-    `baseline`: another version of the mxfp4_moe_decode module, timed with its own default launch."""
+            save) -> tuple[list[dict], list[str]]:
+    """Rows and failures; `save(rows, failures)` after every row (a run cut short keeps them)."""
     rows, failures = [], []
     flush = torch.empty(64 << 20, dtype=torch.int32, device=DEVICE)  # 256 MB, as do_bench's
     for name, shape in MOE_SHAPES.items():
-        weights = MoeWeights(shape, with_bf16=bf16)
+        weights = MoeWeights(shape, with_bf16=False)
         for tokens in points[name.split()[1].lower()]:
             x, topk_weights, ids, out, hit, num_bytes = _inputs(weights, tokens)
             row = {"shape": name, "tokens": tokens, "experts_hit": hit, "mb": num_bytes / 1e6}
             ref = moe_reference(x, weights.w13, weights.s13, weights.w2, weights.s2, topk_weights, ids, True)
-            base_out = baseline_out = None
+            base_out = None
             pairs = tokens * weights.top_k
             configs = {label: _variant(label, tokens, weights) for label in variants}
             configs["expert_gemv"] = expert_default(pairs, weights.num_experts, weights.inter)
-            if baseline is not None:  # first and last: what the variants are measured against, and its spread
-                configs = {"baseline": None, **configs, "baseline_again": None}
             for label, cfg in configs.items():
-                if cfg is None:
-                    run = lambda w=weights: baseline.fused_moe_mxfp4_decode(  # noqa: E731
-                        x, w.w13, w.s13, w.w2, w.s2, topk_weights, ids, True, out)
-                else:
-                    run = lambda cfg=cfg, w=weights: w.run(x, topk_weights, ids, True, config=cfg, out=out)  # noqa: E731
+                run = lambda cfg=cfg, w=weights: w.run(x, topk_weights, ids, True, config=cfg, out=out)  # noqa: E731
                 try:
                     us = time_graph(run) * 1e3
                 except Exception as exc:  # a launch the compiler rejects: report, go on
                     failures.append(f"{name} T={tokens} {label}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
-                got = run().clone()
+                got = weights.run(x, topk_weights, ids, True, config=cfg).clone()
                 err = rel_error(got, ref)
                 if not err <= REL_TOL:
                     failures.append(f"{name} T={tokens} {label} rel err {err:.2e}")
                 base_out = got if label == "auto" else base_out
-                baseline_out = got if label == "baseline" else baseline_out
                 row[label] = {"us": us, "fraction": num_bytes / us / 1e3 / copy_gbps, "rel_err": err,
-                              "diff_vs_default": None if base_out is None else rel_error(got, base_out),
-                              "diff_vs_baseline": None if baseline_out is None else rel_error(got, baseline_out)}
+                              "diff_vs_default": None if base_out is None else rel_error(got, base_out)}
                 row[label]["config"] = str(cfg)
-                if label == "baseline" and timeline:
-                    pdl.set_enabled(False)
-                    row["baseline_timeline_no_pdl"] = _timeline(_graph(run), flush)
-                    pdl.set_enabled(True)
                 if label == "auto" and timeline:
                     row["timeline_pdl"] = _timeline(_graph(run), flush)
                     pdl.set_enabled(False)
                     row["default_no_pdl_us"] = time_graph(run) * 1e3
                     row["timeline_no_pdl"] = _timeline(_graph(run), flush)
                     pdl.set_enabled(True)
-            if bf16:
-                w13_bf16, w2_bf16 = weights.bf16
-                row["bf16_us"] = time_graph(lambda: fused_moe(x, w13_bf16, w2_bf16, topk_weights, ids, out=out)) * 1e3
             rows.append(row)
             save(rows, failures)
             best = min((v for v in variants if v in row), key=lambda v: row[v]["us"])
-            others = "".join(f", {k} {row[k]['us']:.1f}" for k in ("baseline", "baseline_again") if k in row)
-            others += f", bf16 {row['bf16_us']:.1f}" if bf16 else ""
             print(f"{name} T={tokens}: auto {row['auto']['us']:.1f} us ({row['auto']['fraction']:.0%}), "
                   f"expert GEMV {row['expert_gemv']['us']:.1f}; best {best} {row[best]['us']:.1f} "
-                  f"({row[best]['fraction']:.0%}){others}", flush=True)
+                  f"({row[best]['fraction']:.0%})", flush=True)
         del weights
         torch.cuda.empty_cache()
     return rows, failures
@@ -246,8 +219,7 @@ def run_ncu(out_dir: Path, variants: list[str]) -> str:
 
 
 def to_markdown(results: dict) -> str:
-    variants = [v for v in ["baseline"] + list(VARIANTS) + ["expert_gemv", "baseline_again"]
-                if any(v in r for r in results["rows"])]
+    variants = [v for v in list(VARIANTS) + ["expert_gemv"] if any(v in r for r in results["rows"])]
     lines = [f"# W4A4 MoE decode path, profile and variants: {results['device']}", "",
              f"torch {results['torch']}, triton {results['triton']}, {results['date']}, copy "
              f"{results['copy']['gbps']:.0f} GB/s. µs (% of copy).", "",
@@ -256,11 +228,7 @@ def to_markdown(results: dict) -> str:
     for v in variants:
         cells = [f"{r[v]['us']:.1f} ({r[v]['fraction']:.0%})" if v in r else "-" for r in results["rows"]]
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
-    if any("bf16_us" in r for r in results["rows"]):
-        lines.append("| bf16 fused MoE | " + " | ".join(f"{r['bf16_us']:.1f}" if "bf16_us" in r else "-"
-                                                      for r in results["rows"]) + " |")
-    timelines = [(r, key) for r in results["rows"]
-                 for key in ("baseline_timeline_no_pdl", "timeline_no_pdl", "timeline_pdl") if key in r]
+    timelines = [(r, key) for r in results["rows"] for key in ("timeline_no_pdl", "timeline_pdl") if key in r]
     if timelines:
         lines += ["", "## Timelines of the default launch (µs)", ""]
     for r, key in timelines:
@@ -277,8 +245,6 @@ def main() -> int:
     parser.add_argument("--tokens", default="tp8:1,4,16,32;full:1,4,16,32", help="T per shape")
     parser.add_argument("--timeline", action="store_true", help="torch.profiler timelines of the default launch")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--baseline", type=Path, help="a version of kernels_rocm/mxfp4_moe_decode.py to time too")
-    parser.add_argument("--bf16", action="store_true", help="time the bf16 fused MoE at every point too")
     parser.add_argument("--ncu", action="store_true")
     parser.add_argument("--ncu-variants", default="auto")
     parser.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
@@ -300,8 +266,7 @@ def main() -> int:
         (args.out / "profile_mxfp4_decode.md").write_text(to_markdown(results))
         return results
 
-    baseline = args.baseline and load_kernel_version(args.baseline, "mxfp4_moe_decode_baseline")
-    results = save(*profile(copy["gbps"], points, variants, args.timeline, save, baseline or None, args.bf16))
+    results = save(*profile(copy["gbps"], points, variants, args.timeline, save))
     print(to_markdown(results), flush=True)
     if args.ncu:
         print("ncu:", run_ncu(args.out, args.ncu_variants.split(",")), flush=True)

@@ -75,9 +75,7 @@ class DecodeConfig:
     two; gate_up_rows counts intermediate rows, each a gate and an up row), `*_warps` warps a
     program, `*_k_lanes` the most lanes along K (the rest over row groups; None: up to the row's
     16-byte vectors), `down_ahead` (W4A4 on NVIDIA) how many of a token's slots kernel 2 loads
-    ahead of its dots (0: each slot's loads where its dots are, scheduled by the compiler),
-    `gate_up_splits` (W4A4) over how many programs kernel 1 splits each row tile's K steps: each writes
-    fp32 partial sums and h's quantize launch adds them up (`quantize_gate_up_partials`).
+    ahead of its dots (0: each slot's loads where its dots are, scheduled by the compiler).
 
     The defaults are ROCm's and W4A16's shape, reasoned, then swept (ci/bench_mxfp4_decode.py
     --sweep; H200, 2026-11-23): two rows a lane and 4 warps give kernel 1 1,024 programs at T = 1 on
@@ -91,7 +89,6 @@ class DecodeConfig:
     gate_up_k_lanes: int | None = None
     down_k_lanes: int | None = None
     down_ahead: int = 0
-    gate_up_splits: int = 1
 
 
 @triton.jit
@@ -124,27 +121,15 @@ def _activation_block(ptrs, valid, KL: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, stride_x: tl.int64, stride_codes: tl.int64,
-                          stride_scales: tl.int64, width, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                          H_DTYPE: tl.constexpr, PDL: tl.constexpr):
+                          stride_scales: tl.int64, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """codes[row], scales[row] = the MXFP4 quantization of x[row] per 32 consecutive values
     (quantize_mxfp4_blocks; a width that is a multiple of 32: the masked tail holds whole
-    blocks), the codes of each block in paired word order (`quantize_rows`). SPLITS > 0: x holds
-    kernel 1's fp32 partial sums [SPLITS, rows, 2 * width] (gate, then up; row stride stride_x) and
-    the row quantized is h = silu(gate) * up of their sums (in split order), rounded to H_DTYPE."""
+    blocks), the codes of each block in paired word order (`quantize_rows`)."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = cols < width
-    if SPLITS:
-        gate = tl.zeros([1, BLOCK], dtype=tl.float32)
-        up = tl.zeros([1, BLOCK], dtype=tl.float32)
-        for split in tl.static_range(SPLITS):
-            part = x_ptr + (split * tl.num_programs(0) + row) * stride_x + cols
-            gate += tl.load(part, mask=mask, other=0.0)
-            up += tl.load(part + width, mask=mask, other=0.0)
-        x = silu_mul(gate, up, H_DTYPE).to(tl.float32)
-    else:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     codes, scales = quantize_mxfp4_blocks(x, 1, BLOCK)
     word = (cols % 32) // 4
     paired = cols - cols % 32 + (word // 2 + 4 * (word % 2)) * 4 + cols % 4
@@ -218,12 +203,12 @@ def _tile_offsets(N, KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
 # weights int32 words (strides in words), and each block is an integer dot (`_int_block_partial`).
 @triton.jit(do_not_specialize=["stride_sk"])
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, part_ptr, ids_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, ids_ptr,
     N, K, E, stride_sk,  # N = intermediate size I (gate rows [0, N), up rows [N, 2N)), K = hidden size H, E experts
     stride_xm: tl.int64, stride_xsm: tl.int64, stride_we: tl.int64, stride_wn: tl.int64,
     stride_se: tl.int64, stride_sn: tl.int64, stride_hm: tl.int64,
     TOP_K: tl.constexpr, PTX_DECODE: tl.constexpr, A_INT: tl.constexpr,
-    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr,
+    KL: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -236,18 +221,13 @@ def _gate_up_kernel(
     gate = tl.zeros([KL, G, R], dtype=tl.float32)
     up = tl.zeros([KL, G, R], dtype=tl.float32)
     num_blocks = K // 32
-    first, last = 0, num_blocks  # the blocks of K this program sums: with SPLITS, its share of the K steps
-    if SPLITS > 1:
-        share = tl.cdiv(num_blocks, KL * SPLITS) * KL
-        first = tl.program_id(2) * share
-        last = tl.minimum(first + share, num_blocks)
     if A_INT:
         words = _int_words(G)
         w_gate = w_ptr + expert * stride_we + rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 4 + words
         w_up = w_gate + N * stride_wn
         x_words = x_ptr + (pair // TOP_K) * stride_xm + lane[:, :, :, None] * 8 + words
         x_scales = xs_ptr + (pair // TOP_K) * stride_xsm + lane
-        for j0 in range(first, last, KL):
+        for j0 in range(0, num_blocks, KL):
             valid = lane + j0 < num_blocks
             x_lo, x_hi, a_scale = _int_activation_block(x_words + j0 * 8, x_scales + j0, valid)
             gate += _int_block_partial(w_gate + j0 * 4, s_gate + j0 * stride_sk, x_lo, x_hi, a_scale, valid,
@@ -257,19 +237,14 @@ def _gate_up_kernel(
         w_gate = w_ptr + expert * stride_we + rows[:, :, :, None] * stride_wn + lane[:, :, :, None] * 16 + byte
         w_up = w_gate + N * stride_wn
         a_ptrs = x_ptr + (pair // TOP_K) * stride_xm + lane[:, :, :, None] * 32 + act
-        for j0 in range(first, last, KL):
+        for j0 in range(0, num_blocks, KL):
             valid = lane + j0 < num_blocks
             a_even, a_odd = _activation_block(a_ptrs + j0 * 32, valid, KL, G)
             gate += _block_partial(w_gate + j0 * 16, s_gate + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
             up += _block_partial(w_up + j0 * 16, s_up + j0 * stride_sk, a_even, a_odd, valid, PTX_DECODE)
+    h = silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0), h_ptr.dtype.element_ty)  # [G, R]
     out_rows = tl.program_id(1) * (G * R) + tl.arange(0, G)[:, None] * R + tl.arange(0, R)[None, :]
-    if SPLITS > 1:  # fp32 partial sums [SPLITS, pairs, 2N], added up by `quantize_gate_up_partials`
-        part = part_ptr + (tl.program_id(2) * tl.num_programs(0) + pair) * (2 * N) + out_rows
-        tl.store(part, tl.sum(gate, axis=0), mask=row_valid)
-        tl.store(part + N, tl.sum(up, axis=0), mask=row_valid)
-    else:
-        h = silu_mul(tl.sum(gate, axis=0), tl.sum(up, axis=0), h_ptr.dtype.element_ty)  # [G, R]
-        tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
+    tl.store(h_ptr + pair * stride_hm + out_rows, h, mask=row_valid)
 
 
 @triton.jit
@@ -404,27 +379,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     one launch: (codes int8 [M, W], twice each E2M1 value; scales uint8 [M, W / 32]). The codes of
     a 32-block are stored in paired word order, words (4 codes each) 0, 2, 4, 6, 1, 3, 5, 7, so
     that the decode kernels read a weight word's 8 activations as word i of each half."""
-    return _quantize(x, x.shape[0], x.shape[1], 0, tl.float32)
-
-
-def quantize_gate_up_partials(part: torch.Tensor, h_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows` of h = silu(gate) * up rounded to h_dtype, from kernel 1's fp32 partial sums
-    part [splits, rows, 2I] (gate sums, then up sums; added up in split order), in one launch."""
-    splits, rows, two_width = part.shape
-    return _quantize(part, rows, two_width // 2, splits, _TL_DTYPE[h_dtype])
-
-
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _quantize(x: torch.Tensor, rows: int, width: int, splits: int, h_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, width = x.shape
     codes = torch.empty(rows, width, dtype=torch.int8, device=x.device)
     scales = torch.empty(rows, width // MX_BLOCK, dtype=torch.uint8, device=x.device)
     if rows and width:
         block = min(1024, triton.next_power_of_2(width))
         _quantize_rows_kernel[(rows, triton.cdiv(width, block))](
-            x, codes, scales, x.stride(-2), codes.stride(0), scales.stride(0), width, BLOCK=block, SPLITS=splits,
-            H_DTYPE=h_dtype, num_warps=4, **pdl.launch_args(x.device))
+            x, codes, scales, x.stride(0), codes.stride(0), scales.stride(0), width, BLOCK=block, num_warps=4,
+            **pdl.launch_args(x.device))
     return codes, scales
 
 
@@ -488,27 +450,23 @@ def fused_moe_mxfp4_decode(
     top_k = topk_ids.shape[1]
     cfg = config or default_config(num_tokens, top_k, hidden, inter, quantize_activations, x.device)
     _check_config(cfg)
-    splits = cfg.gate_up_splits
-    if splits < 1 or (splits > 1 and not quantize_activations):
-        raise ValueError(f"DecodeConfig.gate_up_splits must be >= 1, and 1 without MXFP4 activations; got {splits}")
     ptx = not IS_HIP and not INTERPRET  # the CUDA weight decode / integer dot in PTX
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    part = torch.empty(splits, num_tokens * top_k, 2 * inter, dtype=torch.float32, device=x.device) if splits > 1 else h
     if quantize_activations:  # W4A4: integer dots of the codes, the weights read as int32 words
         (x, x_scales), w13, w2 = quantize_rows(x), _words(w13, "w13"), _words(w2, "w2")
         x = x.view(torch.int32)
     else:
         x_scales = x  # unused
     kl, g, r = _tile(hidden, cfg.gate_up_rows, cfg.gate_up_warps, cfg.gate_up_k_lanes)
-    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, g * r), splits)](
-        x, x_scales, w13, w13_scale, h, part, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
+    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, g * r))](
+        x, x_scales, w13, w13_scale, h, topk_ids, inter, hidden, w13.shape[0], w13_scale.stride(2),
         x.stride(0), x_scales.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        h.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, KL=kl, G=g, R=r, SPLITS=splits,
+        h.stride(0), TOP_K=top_k, PTX_DECODE=ptx, A_INT=quantize_activations, KL=kl, G=g, R=r,
         num_warps=cfg.gate_up_warps, **pdl.launch_args(x.device),
     )
     h_in, h_scales = h, h
     if quantize_activations:
-        h_in, h_scales = quantize_rows(h) if splits == 1 else quantize_gate_up_partials(part, h.dtype)
+        h_in, h_scales = quantize_rows(h)
         h_in = h_in.view(torch.int32)
     kl, g, r = _tile(inter, cfg.down_rows, cfg.down_warps, cfg.down_k_lanes)
     k_steps = triton.cdiv(inter // MX_BLOCK, kl)

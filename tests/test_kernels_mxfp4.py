@@ -315,19 +315,6 @@ def test_moe_decode_kernel_2_loads_ahead(ahead):
     assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=in_turn))
 
 
-@pytest.mark.parametrize("splits", [2, 3], ids=lambda s: f"splits{s}")
-def test_moe_decode_kernel_1_split_along_k(splits):
-    """W4A4 with kernel 1's K steps split over programs (`gate_up_splits`), their fp32 partial sums added
-    up in h's quantize launch: H of 36 blocks over 32 lanes is two K steps (the second partly masked), so
-    3 splits leave the third program no step (it writes zeros); an id out of range adds nothing."""
-    g = torch.Generator().manual_seed(37)
-    x, w13, s13, w2, s2, weights, ids = _moe_case(3, 3, g, hot=4, hidden=36 * 32, inter=96)
-    ids[1, 2] = -1
-    config = DecodeConfig(gate_up_rows=8, gate_up_warps=1, gate_up_splits=splits)
-    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, out=nan_like(x), config=config)
-    _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, True))
-
-
 def test_moe_decode_default_config_by_token_count():
     """The W4A4 launch shapes by program count (a device of 132 SMs): a TP8 rank's T = 1 keeps kernel
     1's 2 rows a lane, T = 2 takes 4 rows on 2 warps, T = 4 and full width 16-row tiles; kernel 2
@@ -364,5 +351,3 @@ def test_moe_decode_rejects_bad_config():
         fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=DecodeConfig(down_warps=16))
     with pytest.raises(ValueError, match="gate_up_k_lanes"):
         fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=DecodeConfig(gate_up_k_lanes=24))
-    with pytest.raises(ValueError, match="gate_up_splits"):
-        fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=DecodeConfig(gate_up_splits=2))

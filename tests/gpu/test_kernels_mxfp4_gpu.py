@@ -151,33 +151,6 @@ def test_moe_decode_kernel_2_loads_ahead_compiled(name, shape, num_tokens):
         assert torch.equal(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=in_turn))
 
 
-DECODE_W4A4_SPLITS = {
-    "2_rows_2_splits": DecodeConfig(gate_up_splits=2, down_ahead=4),
-    "16_row_tiles_4_splits": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4, gate_up_splits=4),
-    "16_row_tiles_7_splits": DecodeConfig(gate_up_rows=4, gate_up_k_lanes=32, down_rows=4, gate_up_splits=7),
-}
-
-
-@pytest.mark.parametrize("num_tokens", [1, 4, 32])
-@pytest.mark.parametrize("shape", list(MOE_SHAPES))
-@pytest.mark.parametrize("name", list(DECODE_W4A4_SPLITS))
-def test_moe_decode_kernel_1_split_compiled(name, shape, num_tokens):
-    """Kernel 1's K steps split over programs (gate_up_splits, W4A4), the partial sums added up in h's
-    quantize launch, compiled and graph-replayed with new routing: against the fp32 reference and the
-    unsplit kernel (the same sums in another fp32 order)."""
-    config = DECODE_W4A4_SPLITS[name]
-    x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=18)
-    graph, out = _capture(lambda: fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=config))
-    for seed in (19, 20):
-        _, _, _, _, _, new_weights, new_ids = moe_inputs(shape, num_tokens, seed=seed)
-        weights.copy_(new_weights)
-        ids.copy_(new_ids)
-        graph.replay()
-        assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, True))
-        unsplit = dataclasses.replace(config, gate_up_splits=1)
-        assert_rel_close(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=unsplit))
-
-
 def test_moe_decode_e8m0_bytes_0_and_254_compiled():
     """The decode path's compiled weight decode (PTX, widened to fp32) on E8M0 bytes 0 and 254,
     fp32 activations: exact up to fp32 summation order."""
