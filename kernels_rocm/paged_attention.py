@@ -49,7 +49,7 @@ from kernels_rocm._util import (
 # A verify step's rows of a sequence share one program only from this many (sequence, KV head)
 # programs a compute unit: fewer, and splitting the rows over programs is the better parallelism.
 # H100, 8B shape (8 KV heads), q = 5 / 6 (ci/bench_verify_attention.py, 2026-11-27): one program a
-# sequence 13-19% faster at batch 96 and 128 (768 and 1,024 programs, 1k-4k contexts), 6-11% slower
+# sequence 11-20% faster at batch 96 and 128 (768 and 1,024 programs, 1k-4k contexts), 6-11% slower
 # at batch 64 (512), mixed at 32.
 VERIFY_ONE_TILE_PROGRAMS_PER_CU = 5
 
