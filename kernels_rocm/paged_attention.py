@@ -215,7 +215,8 @@ def paged_attention(
     block_m = max(16, triton.next_power_of_2(group))
     if max_query_len * group >= 128:
         block_m = max(block_m, 64)  # prefill: bigger M tiles reuse each KV tile more
-    elif max_query_len > 1 and num_seqs * num_kv_heads >= VERIFY_ONE_TILE_PROGRAMS_PER_CU * num_compute_units(q.device):
+    elif max_query_len > 1 and (num_seqs * num_kv_heads
+                                >= VERIFY_ONE_TILE_PROGRAMS_PER_CU * num_compute_units(q.device)):
         # a verify step's k + 1 rows a sequence in one program where they fit in 64 rows, once there
         # are programs enough without splitting them: a program per 16 / group rows reads the
         # sequence's KV once per program (8B shape, group 4, k = 4, H100: batch 128 at 2k context

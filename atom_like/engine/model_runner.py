@@ -67,12 +67,6 @@ def _advance_kernel() -> Callable[..., None]:
     return advance
 
 
-def _precompile_advance(device: torch.device, max_query: int, block_size: int) -> None:
-    from kernels_rocm.step_advance import precompile
-
-    precompile(device, max_query, block_size)
-
-
 @dataclass
 class _LastOutputs:
     """A step's sampled tokens and drafts on the device, by request: the inputs of the step after it."""
@@ -155,7 +149,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.proposer, device, self.block_size, max_batch,
                                        self.max_blocks_per_seq, scratch_block=self.num_blocks, draft_counts=counts)
         if device.type == "cuda":  # every verify width's step-advance kernel now, not mid-serving
-            _precompile_advance(device, self.num_spec_tokens + 1, self.block_size)
+            from kernels_rocm.step_advance import precompile
+
+            precompile(device, self.num_spec_tokens + 1, self.block_size)
         self.step_costs: StepCosts | None = self._step_costs() if self.num_spec_tokens else None
         self._profiler: tuple[torch.profiler.profile, str] | None = None  # recording, and where it goes
 
