@@ -27,19 +27,8 @@ instead of replaying graphs, and the full (generation 2) garbage collections tha
 windows. `--policy-b FILE` adds the adaptive policy of a saved spec_decode/adaptive.py as a mode
 (`git show REV:spec_decode/adaptive.py > FILE`): two policies A/B in one run.
 
-Part "samek" (host overhead at the same k): on the SmolLM2 pair where it is cached, and on the tiny
-shape (whose steps are all host work on a GPU), windows of fixed k and of the adaptive policy
-pinned at k (its own code runs every step; flat costs make k its choice), so that the two differ
-only by the policy: `--samek-rounds` rounds, each after a window at fixed `--k` and with fixed and
-pinned first in turns (an order effect shows as the first window of a round being slower); plus
-a pattern through k = 0 (0, k, 0, k ...), whose returns from 0 ran eagerly before the first pass
-was captured at width 1. Per mode: median and mean ms a step, eager steps, and per step the torch
-ops, host reads of device values (aten::_local_scalar_dense) and, on CUDA, synchronising runtime
-calls (torch.profiler). Writes the same files.
-
     python ci/bench_adaptive.py                 # GPU, ~7 min on one H100
     python ci/bench_adaptive.py --smoke         # CPU, tiny model, < 1 min (tests/test_bench_adaptive.py)
-    python ci/bench_adaptive.py --parts samek --batches 1,64,128   # GPU: ~1 min
 """
 from __future__ import annotations
 
@@ -57,8 +46,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, installed or not
-from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength, StepCosts
+from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
 from spec_decode.stats import SpecCounts
+
+from bench_adaptive_report import markdown, plot, verdicts  # noqa: E402  (ci/ is on the path: a script's folder)
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256)
@@ -149,23 +140,6 @@ def finish(engine, ids: list[str]) -> None:
     for request_id in ids:
         engine.abort_request(request_id)
     engine.step()  # collects the step in flight
-
-
-def timed_steps(engine, steps: int) -> tuple[list[float], list[int], dict]:
-    """Seconds of each of `steps` steps (the host's period: with overlap a step returns once the one
-    before it is done), the k each launched, and what else happened (Watch)."""
-    watch, times, ks = Watch(engine), [], []
-    sync()
-    last = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-        ks.append(engine.scheduler.num_drafts_in_flight)
-    sync()
-    times[-1] += time.perf_counter() - last
-    return times, ks, watch.close()
 
 
 class Rotation(DraftLengthPolicy):
@@ -422,259 +396,13 @@ def run_zoo(args, out: dict) -> None:
                   flush=True)
 
 
-# ----------------------------------------------------------------------------- same k: fixed vs the policy
-
-class Pattern:
-    """A DraftLengthPolicy that cycles through fixed ks (k = 0 included)."""
-
-    def __init__(self, pattern: tuple[int, ...]):
-        self.pattern, self.max_drafts = pattern, max(pattern)
-
-    def choose(self, step: int, num_seqs: int) -> int:
-        return self.pattern[step % len(self.pattern)]
-
-    def observe(self, step: int, drafted: int, accepted: int) -> None:
-        pass
-
-
-def samek_policy(engine, mode: str, k: int):
-    """fixed (and heavy): FixedDraftLength(k); pinned: the adaptive policy with flat step costs, so
-    that more drafts always pay and it chooses k every step while its bookkeeping runs as usual;
-    zero: 0, k, 0, k ..."""
-    if mode in ("fixed", "heavy"):
-        return FixedDraftLength(k)
-    if mode == "pinned":
-        buckets = engine.runner.step_costs.buckets
-        return AdaptiveDraftLength(k, StepCosts(buckets, [[1.0] * (k + 1)] * len(buckets), "flat"))
-    return Pattern((0, k))
-
-
-def profile_steps(engine, steps: int) -> dict:
-    """Per step: torch ops, Python calls, host reads of device values, synchronising CUDA runtime calls."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    counts = collections.Counter()
-
-    def python_calls(frame, event, arg) -> None:
-        if event in ("call", "c_call"):
-            counts["python_calls"] += 1
-
-    with profile(activities=activities) as prof:
-        sys.setprofile(python_calls)
-        for _ in range(steps):
-            engine.step()
-        sys.setprofile(None)
-    sync()  # outside: its own synchronize is not the steps'
-    for e in prof.key_averages():
-        if e.key.startswith("aten::"):
-            counts["ops"] += e.count
-        if e.key in ("aten::_local_scalar_dense", "aten::item"):
-            counts["host_reads"] += e.count
-        if "Synchronize" in e.key or e.key in ("cudaMemcpy", "cudaHostAlloc", "cudaMalloc", "cudaFree"):
-            counts["syncing_calls"] += e.count
-    return {f"{name}_per_step": counts[name] / steps for name in ("ops", "python_calls", "host_reads", "syncing_calls")}
-
-
-def run_samek(args, out: dict) -> None:
-    from atom_like import LLMEngine, SamplingParams
-
-    k_max = max(args.k, *args.samek_k)  # the engine's k, that of each round's first ("heavy") window
-    max_tokens = (args.warm + args.samek_steps + 16) * (k_max + 1)  # a window's requests: prefill, warm, timed, profiled
-    engines = []
-    pair = resolve_zoo_pair()  # the real pair where it is cached (the one docs/benchmarks.md 11 measured)
-    if isinstance(pair, str):
-        out["meta"]["samek_zoo_skipped"] = pair
-    else:
-        spec = LLMEngine(pair[0], method="eagle3", draft_model=pair[1], num_speculative_tokens=k_max,
-                         speculative_adaptive=True, max_model_len=args.prompt_len + max_tokens + 2 * k_max + 16,
-                         max_num_seqs=max(args.batches), enable_prefix_caching=False, dtype="bfloat16",
-                         gpu_memory_utilization=0.4)
-        engines.append(("smollm2", spec, spec.vocab_size))
-    shape, dtype = (TINY, "float32") if args.smoke or not torch.cuda.is_available() else (TINY, "bfloat16")
-    target, draft = write_configs(Path(tempfile.mkdtemp()), shape, dtype)
-    common = dict(load_format="dummy", max_model_len=args.prompt_len + max_tokens + 2 * k_max + 16,
-                  max_num_seqs=max(args.batches), enable_prefix_caching=False)
-    if torch.cuda.is_available():
-        common.update(gpu_memory_utilization=0.2)
-    tiny, set_m = forced_engine(target, draft, k_max, **common)
-    engines.append(("tiny", tiny, shape["vocab_size"]))
-    rows = out.setdefault("samek", [])
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for name, engine, vocab in engines:
-        for bs in args.batches:
-            prompts = random_prompts(bs, args.prompt_len, vocab, bs)
-            for k in args.samek_k:
-                if name == "tiny":
-                    set_m(k)  # every draft accepted: fixed and pinned see the same acceptance
-                for rnd in range(args.samek_rounds):
-                    # each round starts after a window at the largest k (as the zoo part's adaptive window
-                    # follows k = 5) and alternates which of fixed and pinned comes first: an order
-                    # effect shows as the first window being slower whatever its mode
-                    order = ("fixed", "pinned") if rnd % 2 == 0 else ("pinned", "fixed")
-                    modes = (("heavy",) if k < k_max else ()) + order + (("zero",) if rnd == 0 else ())
-                    for mode in modes:
-                        engine.draft_policy = samek_policy(engine, mode, k_max if mode == "heavy" else k)
-                        ids = prefill(engine, prompts, params, f"s{name}{bs}{k}{mode}{rnd}")
-                        for _ in range(args.warm):
-                            engine.step()
-                        times, ks, watched = timed_steps(engine, args.samek_steps)
-                        row = dict(engine=name, batch=bs, k=k, mode=mode, round=rnd, first=mode == order[0],
-                                   median_step_ms=statistics.median(times) * 1e3, mean_step_ms=sum(times) / len(times) * 1e3,
-                                   k_steps=dict(collections.Counter(ks)), **watched)
-                        if rnd == 0 and k == args.samek_k[0]:
-                            row.update(profile_steps(engine, 6))
-                        finish(engine, ids)
-                        rows.append(row)
-                line = [r for r in rows if (r["engine"], r["batch"], r["k"]) == (name, bs, k)]
-                print(f"samek {name} batch {bs} k={k}: " + ", ".join(
-                    f"{r['mode']} {r['median_step_ms']:.2f} ms ({r['eager_steps']} eager)" for r in line), flush=True)
-
-
-def samek_markdown(rows: list[dict]) -> list[str]:
-    lines = ["#### samek: ms a step at the same k, fixed vs the adaptive policy pinned there (median of the "
-             "rounds' median steps; mean step in brackets)", "",
-             "| engine | batch | k | fixed | pinned | pinned / fixed | 0,k,0,k pattern | eager steps fixed / pinned / pattern "
-             "| first / second window of a round | ops a step fixed / pinned | Python calls a step | host reads a step "
-             "| syncing calls a step | full GCs in windows |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    points = {}
-    for r in rows:
-        points.setdefault((r["engine"], r["batch"], r["k"]), []).append(r)
-    for (name, bs, k), rs in points.items():
-        by = {m: [r for r in rs if r["mode"] == m] for m in ("fixed", "pinned", "zero")}
-        med = {m: statistics.median(r["median_step_ms"] for r in v) for m, v in by.items()}
-        mean = {m: statistics.mean(r["mean_step_ms"] for r in v) for m, v in by.items()}
-        eager = " / ".join(str(sum(r["eager_steps"] for r in by[m])) for m in by)
-        pairs = [r for r in rs if r["mode"] in ("fixed", "pinned")]
-        first = statistics.median(r["median_step_ms"] for r in pairs if r["first"])
-        second = statistics.median(r["median_step_ms"] for r in pairs if not r["first"])
-        prof = {m: next((r for r in by[m] if "ops_per_step" in r), None) for m in by}
-        ops = (f"{prof['fixed']['ops_per_step']:.0f} / {prof['pinned']['ops_per_step']:.0f}" if prof["fixed"] else "-")
-        calls = (f"{prof['fixed']['python_calls_per_step']:.0f} / {prof['pinned']['python_calls_per_step']:.0f}"
-                 if prof["fixed"] else "-")
-        reads = (f"{prof['fixed']['host_reads_per_step']:.1f} / {prof['pinned']['host_reads_per_step']:.1f}"
-                 if prof["fixed"] else "-")
-        syncs = (f"{prof['fixed']['syncing_calls_per_step']:.1f} / {prof['pinned']['syncing_calls_per_step']:.1f}"
-                 if prof["fixed"] else "-")
-        lines.append(f"| {name} | {bs} | {k} | {med['fixed']:.2f} ({mean['fixed']:.2f}) | {med['pinned']:.2f} "
-                     f"({mean['pinned']:.2f}) | {med['pinned'] / med['fixed']:.3f}x | {med['zero']:.2f} ({mean['zero']:.2f}) "
-                     f"| {eager} | {first / second:.3f}x | {ops} | {calls} | {reads} | {syncs} | {sum(r['gc2'] for r in rs)} |")
-    return lines + [""]
-
-
-# ----------------------------------------------------------------------------- reporting
-
-def verdicts(rows: list[dict], key: str) -> list[dict]:
-    """Per point and adaptive mode: it against no speculation and the best fixed k (the issue's
-    goals: >= 0.98x, >= 0.95x)."""
-    points = {}
-    for r in rows:
-        points.setdefault((r["batch"], r[key]), {})[r["mode"]] = r
-    out = []
-    for (bs, x), modes in sorted(points.items()):
-        fixed = {m: r for m, r in modes.items() if m.startswith("k=") and m != "k=0"}
-        best = max(fixed, key=lambda m: fixed[m]["tokens_per_s"])
-        off = modes["k=0"]["tokens_per_s"]  # no speculation on the same batch (see interleaved)
-        for mode in [m for m in modes if m.startswith("adaptive")]:
-            a = modes[mode]["tokens_per_s"]
-            out.append(dict(batch=bs, **{key: x}, policy=mode, off=off, best_fixed=best,
-                            best_fixed_tps=fixed[best]["tokens_per_s"], adaptive=a, adaptive_k=modes[mode]["mean_k"],
-                            vs_off=a / off, vs_best=a / fixed[best]["tokens_per_s"],
-                            plain_vs_k0=modes["off"]["vs_k0_same_context"]))
-    return out
-
-
-def markdown(out: dict) -> str:
-    meta = out["meta"]
-    lines = [f"### Adaptive draft length ({meta['device']}, {meta['date']})", "",
-             f"`{meta['command']}`; k at most {meta['k']}; modes interleaved on one batch a point: {meta['warm']} untimed "
-             f"steps of every mode first ({meta['adaptive_warm']} more of each adaptive policy), then "
-             f"{meta['rounds']} turns a mode of {meta['settle']} untimed + {meta['window']} timed steps "
-             f"(zoo: {meta['zoo_rounds']} turns of {meta['zoo_window']}); "
-             "step costs: " + ", ".join(f"{part} {meta[f'{part}_step_costs']['source']}" for part in ("forced", "zoo")
-                                        if f"{part}_step_costs" in meta) + ".", ""]
-    for part, key, title in (("forced", "forced", "forced accepted drafts m"), ("zoo", "temperature", "temperature")):
-        if not out.get(part):
-            continue
-        modes = [m for m in dict.fromkeys(r["mode"] for r in out[part]) if m != "off"]
-        policies = [m for m in modes if m.startswith("adaptive")]
-        lines += [f"#### {part}: tokens/s ({title})", "",
-                  "No speculation is k = 0 on the speculative engine, in turns with the other modes on the same "
-                  "batch; the last column is the plain engine's tokens/s over k = 0's right after both prefilled "
-                  "the same prompts.", "",
-                  f"| batch | {title} | " + " | ".join("no spec (k=0)" if m == "k=0" else m for m in modes)
-                  + "".join(f" | {p}: mean k, / no spec, / best fixed" for p in policies) + " | plain / k=0 |",
-                  "|---|---|" + "---|" * (len(modes) + len(policies) + 1)]
-        v = {(r["batch"], r[key], r["policy"]): r for r in verdicts(out[part], key)}
-        points = {}
-        for r in out[part]:
-            points.setdefault((r["batch"], r[key]), {})[r["mode"]] = r["tokens_per_s"]
-        for (bs, x), tps in sorted(points.items()):
-            cells = [f"{v[bs, x, p]['adaptive_k']:.2f}, {v[bs, x, p]['vs_off']:.2f}x, {v[bs, x, p]['vs_best']:.2f}x "
-                     f"({v[bs, x, p]['best_fixed']})" for p in policies]
-            lines.append(f"| {bs} | {x} | " + " | ".join(f"{tps[m]:.0f}" for m in modes) + "".join(f" | {c}" for c in cells)
-                         + f" | {v[bs, x, policies[0]]['plain_vs_k0']:.3f}x |")
-        lines.append("")
-        for p in policies:
-            mine = [r for r in v.values() if r["policy"] == p]
-            lines.append(f"Worst point of {p}: {min(r['vs_off'] for r in mine):.2f}x no speculation (goal >= 0.98x), "
-                         f"{min(r['vs_best'] for r in mine):.2f}x the best fixed k (goal >= 0.95x).")
-        odd = [f"batch {r['batch']} {key} {r[key]} {r['mode']}: {r['eager_steps']} eager steps, {r['gc2']} full GCs "
-               f"({r['gc2_ms']:.0f} ms), k {r['k_steps']}" for r in out[part] if r["eager_steps"] or r["gc2"]]
-        lines += ["", "Timed windows with eager steps or full garbage collections: " + ("; ".join(odd) or "none"), ""]
-    if out.get("samek"):
-        lines += samek_markdown(out["samek"])
-    if meta.get("zoo_skipped"):
-        lines += [f"zoo part skipped: {meta['zoo_skipped']}", ""]
-    return "\n".join(lines)
-
-
-def plot(out: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-        return False
-    panels = [("forced", "forced", m) for m in sorted({r["forced"] for r in out.get("forced", [])})]
-    panels += [("zoo", "temperature", t) for t in sorted({r["temperature"] for r in out.get("zoo", [])})]
-    if not panels:
-        return False
-    cols = min(4, len(panels))
-    fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(4 * cols, 3.2 * ((len(panels) + cols - 1) // cols)),
-                             squeeze=False)
-    for ax, (part, key, x) in zip(axes.flat, panels):
-        rows = [r for r in out[part] if r[key] == x]
-        for mode in [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "off"]:  # (off: another context)
-            pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["mode"] == mode)
-            style = (dict(linewidth=2.5, color="black" if mode == "adaptive" else "grey") if mode.startswith("adaptive")
-                     else dict(linestyle="--" if mode == "k=0" else "-"))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
-                    label="no speculation (k=0)" if mode == "k=0" else mode, **style)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{'8B shape, forced m' if part == 'forced' else 'SmolLM2 pair, T'} = {x}", fontsize=9)
-        ax.set_xlabel("batch")
-        ax.set_ylabel("tokens/s")
-        ax.grid(True, alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on CPU, batches 1 and 4 (samek: 4), k <= 2, "
-                        "no zoo part; --parts samek for that part alone")
+    parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on CPU, batches 1 and 4, k <= 2, forced part only")
     parser.add_argument("--parts", default="forced,zoo")
     parser.add_argument("--k", type=int, default=5, help="the most drafts a step proposes")
     parser.add_argument("--batches", default="1,8,32,64,128")
-    parser.add_argument("--warm", type=int, default=6, help="untimed steps of every mode before a point's rounds (samek: a window's)")
+    parser.add_argument("--warm", type=int, default=6, help="untimed steps of every mode before a point's rounds")
     parser.add_argument("--adaptive-warm", type=int, default=30, help="more untimed steps of each adaptive policy")
     parser.add_argument("--rounds", type=int, default=5, help="forced: turns of every mode a point")
     parser.add_argument("--window", type=int, default=8, help="forced: timed steps of a mode's turn")
@@ -683,20 +411,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--zoo-window", type=int, default=24, help="zoo: timed steps of a mode's turn (real acceptance is noisy)")
     parser.add_argument("--policy-b", help="a saved spec_decode/adaptive.py whose AdaptiveDraftLength runs as one more mode")
     parser.add_argument("--policy-b-name", default="b", help="its mode is adaptive-<this>")
-    parser.add_argument("--samek-k", default="1,2,3", help="the ks of the samek part")
-    parser.add_argument("--samek-rounds", type=int, default=2, help="samek: rounds of fixed and pinned windows per point, in turns first")
-    parser.add_argument("--samek-steps", type=int, default=48, help="samek: timed steps a window")
     parser.add_argument("--prompt-len", type=int, default=64)
     args = parser.parse_args(argv)
     if args.smoke:
         args.k, args.batches, args.warm, args.prompt_len = 2, "1,4", 3, 8
-        args.parts = "samek" if args.parts == "samek" else "forced"
+        args.parts = "forced"
         args.rounds, args.window, args.settle, args.adaptive_warm = 2, 3, 2, 3
-        args.samek_steps, args.samek_k, args.samek_rounds = 4, "2", 1
-        if args.parts == "samek":
-            args.batches = "4"
     args.batches = [int(b) for b in args.batches.split(",")]
-    args.samek_k = [int(k) for k in args.samek_k.split(",")]
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -709,8 +430,6 @@ def main(argv: list[str] | None = None) -> dict:
         run_forced(args, out)
     if "zoo" in args.parts:
         run_zoo(args, out)
-    if "samek" in args.parts:
-        run_samek(args, out)
     gc.unfreeze()  # the zoo part froze its engines' heaps; a caller's process gets its collector back
     out["meta"]["seconds"] = time.perf_counter() - start
     for part, key in (("forced", "forced"), ("zoo", "temperature")):

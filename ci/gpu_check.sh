@@ -25,8 +25,7 @@
 # adaptive (not in the default set; one H100, ~6 min) runs ci/bench_adaptive.py: the 8B Llama shape with
 # forced acceptance 0..5 (~3.5 min) and the SmolLM2 zoo pair (from $ATOM_LIKE_CACHE) at temperature 0 and 1,
 # batch 1/8/32/64/128: no speculation (k = 0) vs fixed k = 1..5 vs adaptive k, in turns on one batch a
-# point; $BENCH_ADAPTIVE_ARGS passes flags (--policy-b FILE: a saved policy as one more mode)
-# (BENCH_ADAPTIVE_ARGS="--parts samek --batches 1,64,128 --samek-k 1,2": fixed k vs the policy pinned at k).
+# point; $BENCH_ADAPTIVE_ARGS passes flags (--policy-b FILE: a saved policy as one more mode).
 #
 # mxfp4_accuracy (not in the default set) builds tiny-kimi-mxfp4 into the zoo cache and measures its
 # accuracy against tiny-kimi, with and without fp8 KV (ci/bench_mxfp4_accuracy.py).

@@ -1,0 +1,105 @@
+"""ci/bench_adaptive.py's report: per-point verdicts against the issue's goals, the markdown tables
+and the PNG plot of a bench_adaptive.json result."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def verdicts(rows: list[dict], key: str) -> list[dict]:
+    """Per point and adaptive mode: it against no speculation and the best fixed k (the issue's
+    goals: >= 0.98x, >= 0.95x)."""
+    points = {}
+    for r in rows:
+        points.setdefault((r["batch"], r[key]), {})[r["mode"]] = r
+    out = []
+    for (bs, x), modes in sorted(points.items()):
+        fixed = {m: r for m, r in modes.items() if m.startswith("k=") and m != "k=0"}
+        best = max(fixed, key=lambda m: fixed[m]["tokens_per_s"])
+        off = modes["k=0"]["tokens_per_s"]  # no speculation on the same batch (see interleaved)
+        for mode in [m for m in modes if m.startswith("adaptive")]:
+            a = modes[mode]["tokens_per_s"]
+            out.append(dict(batch=bs, **{key: x}, policy=mode, off=off, best_fixed=best,
+                            best_fixed_tps=fixed[best]["tokens_per_s"], adaptive=a, adaptive_k=modes[mode]["mean_k"],
+                            vs_off=a / off, vs_best=a / fixed[best]["tokens_per_s"],
+                            plain_vs_k0=modes["off"]["vs_k0_same_context"]))
+    return out
+
+
+def markdown(out: dict) -> str:
+    meta = out["meta"]
+    lines = [f"### Adaptive draft length ({meta['device']}, {meta['date']})", "",
+             f"`{meta['command']}`; k at most {meta['k']}; modes interleaved on one batch a point: {meta['warm']} untimed "
+             f"steps of every mode first ({meta['adaptive_warm']} more of each adaptive policy), then "
+             f"{meta['rounds']} turns a mode of {meta['settle']} untimed + {meta['window']} timed steps "
+             f"(zoo: {meta['zoo_rounds']} turns of {meta['zoo_window']}); "
+             "step costs: " + ", ".join(f"{part} {meta[f'{part}_step_costs']['source']}" for part in ("forced", "zoo")
+                                        if f"{part}_step_costs" in meta) + ".", ""]
+    for part, key, title in (("forced", "forced", "forced accepted drafts m"), ("zoo", "temperature", "temperature")):
+        if not out.get(part):
+            continue
+        modes = [m for m in dict.fromkeys(r["mode"] for r in out[part]) if m != "off"]
+        policies = [m for m in modes if m.startswith("adaptive")]
+        lines += [f"#### {part}: tokens/s ({title})", "",
+                  "No speculation is k = 0 on the speculative engine, in turns with the other modes on the same "
+                  "batch; the last column is the plain engine's tokens/s over k = 0's right after both prefilled "
+                  "the same prompts.", "",
+                  f"| batch | {title} | " + " | ".join("no spec (k=0)" if m == "k=0" else m for m in modes)
+                  + "".join(f" | {p}: mean k, / no spec, / best fixed" for p in policies) + " | plain / k=0 |",
+                  "|---|---|" + "---|" * (len(modes) + len(policies) + 1)]
+        v = {(r["batch"], r[key], r["policy"]): r for r in verdicts(out[part], key)}
+        points = {}
+        for r in out[part]:
+            points.setdefault((r["batch"], r[key]), {})[r["mode"]] = r["tokens_per_s"]
+        for (bs, x), tps in sorted(points.items()):
+            cells = [f"{v[bs, x, p]['adaptive_k']:.2f}, {v[bs, x, p]['vs_off']:.2f}x, {v[bs, x, p]['vs_best']:.2f}x "
+                     f"({v[bs, x, p]['best_fixed']})" for p in policies]
+            lines.append(f"| {bs} | {x} | " + " | ".join(f"{tps[m]:.0f}" for m in modes) + "".join(f" | {c}" for c in cells)
+                         + f" | {v[bs, x, policies[0]]['plain_vs_k0']:.3f}x |")
+        lines.append("")
+        for p in policies:
+            mine = [r for r in v.values() if r["policy"] == p]
+            lines.append(f"Worst point of {p}: {min(r['vs_off'] for r in mine):.2f}x no speculation (goal >= 0.98x), "
+                         f"{min(r['vs_best'] for r in mine):.2f}x the best fixed k (goal >= 0.95x).")
+        odd = [f"batch {r['batch']} {key} {r[key]} {r['mode']}: {r['eager_steps']} eager steps, {r['gc2']} full GCs "
+               f"({r['gc2_ms']:.0f} ms), k {r['k_steps']}" for r in out[part] if r["eager_steps"] or r["gc2"]]
+        lines += ["", "Timed windows with eager steps or full garbage collections: " + ("; ".join(odd) or "none"), ""]
+    if meta.get("zoo_skipped"):
+        lines += [f"zoo part skipped: {meta['zoo_skipped']}", ""]
+    return "\n".join(lines)
+
+
+def plot(out: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return False
+    panels = [("forced", "forced", m) for m in sorted({r["forced"] for r in out.get("forced", [])})]
+    panels += [("zoo", "temperature", t) for t in sorted({r["temperature"] for r in out.get("zoo", [])})]
+    if not panels:
+        return False
+    cols = min(4, len(panels))
+    fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(4 * cols, 3.2 * ((len(panels) + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, (part, key, x) in zip(axes.flat, panels):
+        rows = [r for r in out[part] if r[key] == x]
+        for mode in [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "off"]:  # (off: another context)
+            pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["mode"] == mode)
+            style = (dict(linewidth=2.5, color="black" if mode == "adaptive" else "grey") if mode.startswith("adaptive")
+                     else dict(linestyle="--" if mode == "k=0" else "-"))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
+                    label="no speculation (k=0)" if mode == "k=0" else mode, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{'8B shape, forced m' if part == 'forced' else 'SmolLM2 pair, T'} = {x}", fontsize=9)
+        ax.set_xlabel("batch")
+        ax.set_ylabel("tokens/s")
+        ax.grid(True, alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
