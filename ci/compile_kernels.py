@@ -230,6 +230,7 @@ CASES: dict[str, Callable[[str], None]] = {
     "kv write MLA fp8": lambda t: write_mla_kv_cache(_t(64, 512), _t(64, 64), _t(99, 16, 576, dtype=_fp8_dtype(t)),
                                                      _t(64, dtype=torch.int64), scale=_t(1, dtype=torch.float32)),
     "MHA 8/8 D128 fp8 decode split 16": lambda t: _mha(8, 8, 128, 4, 1, 32768, 16, kv_dtype=_fp8_dtype(t)),
+    "MHA 32/8 D128 fp8 verify 6, one M tile": lambda t: _mha(32, 8, 128, 8, 6, 8192, 4, kv_dtype=_fp8_dtype(t)),
     "MLA 8h fp8 decode split 16": lambda t: _mla(8, 4, 1, 32768, 16, kv_dtype=_fp8_dtype(t)),
     "MLA 8h fp8 verify 4 no split": lambda t: _mla(8, 64, 4, 8192, 1, kv_dtype=_fp8_dtype(t)),
     "rope + kv write MHA 32/8 D128": lambda _: _rope_mha(),

@@ -152,3 +152,21 @@ def test_fp8_scale_rules():
     with pytest.raises(ValueError, match="kv_scale"):
         mla_paged_attention(torch.randn(1, 2, 32), torch.randn(1, 2, 16), torch.zeros(8, BLOCK_SIZE, 48),
                             *metadata_args(meta), 0.2, kv_scale=one.double())
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+def test_mha_verify_rows_in_one_program(dtype):
+    """A verify of 5 rows x group 4 in one 32-row program (12 sequences x 2 KV heads: past
+    VERIFY_ONE_TILE_PROGRAMS_PER_CU on the interpreter's 4 units) reads fp8 as the 16-row tiles do."""
+    g = torch.Generator().manual_seed(5)
+    q_lens = [5, 1, 5, 3] * 3
+    ctx_lens = [45, 17, 7, 70, 14, 5, 38, 3, 5, 1, 65, 21]
+    meta = make_metadata(q_lens, ctx_lens, BLOCK_SIZE, NUM_BLOCKS, g)
+    k_scale, v_scale = torch.tensor([0.37]), torch.tensor([0.5])
+    k_cache = _fp8_cache((NUM_BLOCKS, BLOCK_SIZE, 2, 32), dtype, k_scale, g)
+    v_cache = _fp8_cache((NUM_BLOCKS, BLOCK_SIZE, 2, 32), dtype, v_scale, g)
+    q = torch.randn(sum(q_lens), 8, 32, generator=g)
+    out = paged_attention(q, k_cache, v_cache, *metadata_args(meta), 0.3, k_scale=k_scale, v_scale=v_scale,
+                          out=nan_like(q))
+    expected = torch_ref.paged_attention(q, dequantize_fp8(k_cache, k_scale), dequantize_fp8(v_cache, v_scale), meta, 0.3)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
