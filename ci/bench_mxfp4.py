@@ -15,7 +15,8 @@ Measures, all in one run so the ratios share a machine state:
   capacity gained (bytes per token).
 Timing: each call is captured once in a CUDA graph and the replay is timed with
 triton.testing.do_bench, which zeroes a 256 MB buffer before every repetition, so the 50 MB L2
-never holds the weights or KV from the previous repetition. Medians.
+never holds the weights or KV from the previous repetition (but holds dirty lines the call writes
+back; `--flush read` reads 256 MB instead, leaving clean lines). Medians.
 `--profile` adds per-kernel times of one MoE call (torch.profiler); `--sweep` times alternative
 tile configurations (MoE GEMMs; MLA launch options and the fp8 upcast before the PTX one) of
 the parts run, to tune the defaults; `--parts mla --sweep` runs the MLA part alone.
@@ -69,8 +70,17 @@ REL_TOL = 1e-2
 GOAL_MOE_FRACTION, GOAL_MOE_SPEEDUP, GOAL_MLA_FRACTION = 0.70, 3.0, 0.80
 
 
+# How L2 is emptied between timed repetitions (--flush): "zero", triton's do_bench, a 256 MB memset
+# that leaves up to 50 MB of dirty lines for the timed call to write back while it reads (~1.5x the
+# bytes of a 94 MB call, ~1.14x of a 352 MB one: the helper's estimate of 2026-11-27, not measured);
+# or "read", a 256 MB read that leaves clean lines, as a decode step finds L2 after the kernels
+# before it read their weights.
+FLUSH = "zero"
+READ_FLUSH_REPS = 50
+
+
 def time_graph(fn: Callable[[], object]) -> float:
-    """Median ms of one `fn()` replayed from a CUDA graph (L2 flushed between repetitions)."""
+    """Median ms of one `fn()` replayed from a CUDA graph (L2 flushed between repetitions, FLUSH)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -79,9 +89,29 @@ def time_graph(fn: Callable[[], object]) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    ms = do_bench(graph.replay, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+    if FLUSH == "zero":
+        ms = do_bench(graph.replay, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+    else:
+        ms = _median_after_reads(graph.replay)
     del graph
     return ms
+
+
+def _median_after_reads(run: Callable[[], object]) -> float:
+    """Median ms of `run()`, each repetition after a 256 MB read (L2 then holds clean lines only)."""
+    flush = torch.ones(64 << 20, dtype=torch.int32, device=DEVICE)
+    flush.sum()  # the ones' dirty lines written back once, before anything is timed
+    run()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(READ_FLUSH_REPS)]
+    for start, end in events:
+        flush.sum()
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return times[len(times) // 2]
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -441,7 +471,8 @@ def to_markdown(results: dict) -> str:
     copy = results["copy"]
     lines = [f"# MXFP4 / FP8-KV kernels: {results['device']}", "",
              f"torch {results['torch']}, triton {results['triton']}, {results['date']}. Copy bandwidth (read + write): "
-             f"**{copy['gbps']:.0f} GB/s**. CUDA-graph replays, L2 flushed between repetitions, medians.", ""]
+             f"**{copy['gbps']:.0f} GB/s**. CUDA-graph replays, L2 flushed between repetitions "
+             f"({results.get('flush', 'zero')}: see --flush), medians.", ""]
     if results.get("moe"):
         lines += ["## Fused MoE over MXFP4 experts (GB/s: packed weights + scales of the experts hit + x + out)", "",
                   "| shape | T | experts hit | MB | W4A16 µs | GB/s | % copy | W4A4-QDQ µs | GB/s | % copy | bf16 µs | "
@@ -548,15 +579,19 @@ def main() -> int:
     parser.add_argument("--parts", default="moe,linear,mla", help="comma list of moe, linear, mla")
     parser.add_argument("--profile", action="store_true", help="per-kernel times of one MoE call")
     parser.add_argument("--sweep", action="store_true", help="time alternative tiles / launch options")
+    parser.add_argument("--flush", choices=("zero", "read"), default="zero",
+                        help="L2 between repetitions: zeroed as do_bench does (dirty lines), or read (clean)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_mxfp4: no CUDA/ROCm GPU available", file=sys.stderr)
         return 2
+    global FLUSH
+    FLUSH = args.flush
     parts = set(args.parts.split(","))
     start = time.time()
     copy = measure_copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "date": time.strftime("%Y-%m-%d"), "copy": copy, "kv_capacity": kv_capacity()}
+               "date": time.strftime("%Y-%m-%d"), "copy": copy, "kv_capacity": kv_capacity(), "flush": FLUSH}
     print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
 
