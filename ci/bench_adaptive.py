@@ -284,7 +284,7 @@ def policies_for(engine, args) -> dict[str, DraftLengthPolicy]:
     policies: dict[str, DraftLengthPolicy] = {f"k={j}": FixedDraftLength(j) for j in range(k + 1)}
     policies["adaptive"] = AdaptiveDraftLength(k, costs)
     if args.policy_b:
-        from bench_mxfp4 import load_kernel_version
+        from gpu_timing import load_kernel_version
 
         module = load_kernel_version(Path(args.policy_b), f"adaptive_{args.policy_b_name}", package="spec_decode")
         policies[f"adaptive-{args.policy_b_name}"] = module.AdaptiveDraftLength(k, costs)

@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +41,7 @@ from kernels_rocm import _pdl as pdl  # noqa: E402
 from kernels_rocm import skinny_gemm as current  # noqa: E402
 from kernels_rocm.rms_norm import rms_norm  # noqa: E402
 
-import bench_mxfp4 as bm  # noqa: E402
+from gpu_timing import ab_header, load_kernel_version  # noqa: E402
 
 
 def _w(*shape: int) -> torch.Tensor:
@@ -127,11 +126,9 @@ def main() -> int:
         print("bench_gemv_chain: no CUDA GPU available", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    copy = bm.measure_copy_bandwidth()
-    print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
-    baseline = bm.load_kernel_version(args.baseline, "skinny_gemm_baseline")
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "copy": copy, "baseline": str(args.baseline), "rows": []}
+    result = {**ab_header(args.baseline), "rows": []}
+    copy = result["copy"]
+    baseline = load_kernel_version(args.baseline, "skinny_gemm_baseline")
     for name in args.chains.split(","):
         make, hidden, ms, num_layers = CHAINS[name]
         layers = [make() for _ in range(num_layers)]

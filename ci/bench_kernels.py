@@ -15,7 +15,7 @@ makes the run exit 1. Times are medians of triton.testing.do_bench (L2 flushed b
 
 Usage: python ci/bench_kernels.py [--out DIR] [--quick]; DIR defaults to $OUT or ./bench_out.
 Writes bench_kernels.json and bench_kernels.md there and prints the markdown. Importable:
-`run_all(out_dir, quick)` or the individual `measure_copy_bandwidth` / `bench_*` functions.
+`run_all(out_dir, quick)` or the individual `bench_*` functions (the copy bandwidth: ci/gpu_timing.py).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
+from gpu_timing import measure_copy_bandwidth, rel_error  # noqa: E402
 from kernels_rocm.fused_moe import fused_moe, moe_reference  # noqa: E402
 from kernels_rocm.mla_decode import mla_paged_attention  # noqa: E402
 from kernels_rocm._attention_common import MAX_KV_SPLITS  # noqa: E402
@@ -62,23 +63,6 @@ DTYPE = torch.bfloat16
 
 def time_ms(fn: Callable[[], object]) -> float:
     return do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-def measure_copy_bandwidth(num_bytes: int = 4 << 30) -> dict:
-    """Device-to-device copy of `num_bytes`; GB/s counts bytes read + written."""
-    src = torch.empty(num_bytes // 2, dtype=DTYPE, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
-    del src, dst
-    torch.cuda.empty_cache()
-    return {"bytes": 2 * num_bytes, "ms": ms, "gbps": 2 * num_bytes / ms / 1e6}
 
 
 @dataclass

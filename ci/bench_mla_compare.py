@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,6 +26,7 @@ for path in (REPO, REPO / "ci"):
 import torch  # noqa: E402
 
 import bench_mxfp4 as bm  # noqa: E402
+from gpu_timing import ab_header, load_kernel_version  # noqa: E402
 
 
 def main() -> int:
@@ -38,13 +38,11 @@ def main() -> int:
         print("bench_mla_compare: no CUDA/ROCm GPU available", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    copy = bm.measure_copy_bandwidth()
-    print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "copy": copy, "baseline": str(args.baseline)}
+    result = ab_header(args.baseline)
+    copy = result["copy"]
     new_fn = bm.mla_paged_attention
     runs = (("new", new_fn, bm.MLA_BATCHES, bm.MLA_CONTEXTS),
-            ("old", bm.load_kernel_version(args.baseline, "mla_decode_baseline").mla_paged_attention, bm.MLA_BATCHES, bm.MLA_CONTEXTS),
+            ("old", load_kernel_version(args.baseline, "mla_decode_baseline").mla_paged_attention, bm.MLA_BATCHES, bm.MLA_CONTEXTS),
             ("new_again", new_fn, (64,), (32768,)))
     failed = False
     try:

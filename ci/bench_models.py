@@ -229,7 +229,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     modes = {"off": [True], "on": [False], "both": [True, False]}[args.graphs]
     device = torch.cuda.get_device_name()
-    from bench_kernels import measure_copy_bandwidth
+    from gpu_timing import measure_copy_bandwidth
 
     results = {"copy_gbps": measure_copy_bandwidth()["gbps"], "models": {}}
     hf_batches = [int(b) for b in args.hf_batch_sizes.split(",")]

@@ -28,14 +28,12 @@ short table last. Exit 1 if a correctness check fails.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -44,8 +42,9 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
+import gpu_timing  # noqa: E402
+from gpu_timing import measure_copy_bandwidth, rel_error, time_graph  # noqa: E402
 import kernels_rocm.mla_decode as mla_mod  # noqa: E402
 from kernels_rocm.mla_decode import mla_paged_attention  # noqa: E402
 from kernels_rocm.fused_moe import fused_moe  # noqa: E402
@@ -57,7 +56,6 @@ from model_ops.quant.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
 from model_ops.quant.mxfp4 import dequantize_mxfp4, qdq_mxfp4  # noqa: E402
 
 DEVICE = "cuda"
-WARMUP_MS, REP_MS = 10, 60
 MOE_SHAPES = {"Kimi TP8 E384 H7168 I256": (384, 8, 7168, 256), "Kimi full E384 H7168 I2048": (384, 8, 7168, 2048)}
 MOE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MOE_CHECK_TOKENS = (1, 32, 512)
@@ -69,79 +67,6 @@ KIMI_LAYERS = 61
 REL_TOL = 1e-2
 GOAL_MOE_FRACTION, GOAL_MOE_SPEEDUP, GOAL_MLA_FRACTION = 0.70, 3.0, 0.80
 
-
-# How L2 is emptied between timed repetitions (--flush): "zero", triton's do_bench, a 256 MB memset
-# that leaves up to 50 MB of dirty lines for the timed call to write back while it reads (~1.5x the
-# bytes of a 94 MB call, ~1.14x of a 352 MB one: the helper's estimate of 2026-11-27, not measured);
-# or "read", a 256 MB read that leaves clean lines, as a decode step finds L2 after the kernels
-# before it read their weights.
-FLUSH = "zero"
-READ_FLUSH_REPS = 50
-
-
-def time_graph(fn: Callable[[], object]) -> float:
-    """Median ms of one `fn()` replayed from a CUDA graph (L2 flushed between repetitions, FLUSH)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles every kernel outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    if FLUSH == "zero":
-        ms = do_bench(graph.replay, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
-    else:
-        ms = _median_after_reads(graph.replay)
-    del graph
-    return ms
-
-
-def _median_after_reads(run: Callable[[], object]) -> float:
-    """Median ms of `run()`, each repetition after a 256 MB read (L2 then holds clean lines only)."""
-    flush = torch.ones(64 << 20, dtype=torch.int32, device=DEVICE)
-    flush.sum()  # the ones' dirty lines written back once, before anything is timed
-    run()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(READ_FLUSH_REPS)]
-    for start, end in events:
-        flush.sum()
-        start.record()
-        run()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events)
-    return times[len(times) // 2]
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-def load_kernel_version(path: Path, name: str, package: str = "kernels_rocm"):
-    """A saved version of a module of `package` (`git show main:kernels_rocm/x.py > file`) loaded as
-    <package>.<name>, for A/B runs against this tree's: its package imports resolve, and its
-    dataclasses find their module in sys.modules."""
-    spec = importlib.util.spec_from_file_location(f"{package}.{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def measure_copy_bandwidth(num_bytes: int = 4 << 30) -> dict:
-    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
-    del src, dst
-    torch.cuda.empty_cache()
-    return {"bytes": 2 * num_bytes, "ms": ms, "gbps": 2 * num_bytes / ms / 1e6}
-
-
-# ---------------------------------------------------------------------------------------- MoE
 
 def random_mxfp4(*shape, g):
     """Random packed codes, E8M0 bytes 116..123 (weights of magnitude 2^-11 .. 2^-2)."""
@@ -585,13 +510,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_mxfp4: no CUDA/ROCm GPU available", file=sys.stderr)
         return 2
-    global FLUSH
-    FLUSH = args.flush
+    gpu_timing.FLUSH = args.flush
     parts = set(args.parts.split(","))
     start = time.time()
     copy = measure_copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "date": time.strftime("%Y-%m-%d"), "copy": copy, "kv_capacity": kv_capacity(), "flush": FLUSH}
+               "date": time.strftime("%Y-%m-%d"), "copy": copy, "kv_capacity": kv_capacity(), "flush": args.flush}
     print(f"copy {copy['gbps']:.0f} GB/s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -34,9 +34,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench_mxfp4 import (  # noqa: E402
-    DEVICE, GOAL_MOE_FRACTION, GOAL_MOE_SPEEDUP, MOE_SHAPES, REL_TOL, MoeWeights, measure_copy_bandwidth,
-    moe_call_inputs, moe_reference, rel_error, time_graph,
+    DEVICE, GOAL_MOE_FRACTION, GOAL_MOE_SPEEDUP, MOE_SHAPES, REL_TOL, MoeWeights, moe_call_inputs, moe_reference,
 )
+from gpu_timing import measure_copy_bandwidth, rel_error, time_graph  # noqa: E402
 from kernels_rocm.fused_moe import fused_moe  # noqa: E402
 from kernels_rocm.mxfp4_moe import default_config  # noqa: E402
 from kernels_rocm.mxfp4_moe_decode import default_config as decode_default  # noqa: E402

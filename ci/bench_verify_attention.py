@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "ci"))
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from bench_mxfp4 import load_kernel_version, measure_copy_bandwidth  # noqa: E402
+from gpu_timing import ab_header, load_kernel_version  # noqa: E402
 import kernels_rocm.paged_attention as pa_mod  # noqa: E402
 from kernels_rocm.paged_attention import paged_attention  # noqa: E402
 
@@ -56,7 +56,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     args = parser.parse_args()
     old = load_kernel_version(args.baseline, "paged_attention_baseline").paged_attention
-    copy = measure_copy_bandwidth()["gbps"]
+    result = ab_header(args.baseline)
+    copy = result["copy"]["gbps"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     threshold = pa_mod.VERIFY_ONE_TILE_PROGRAMS_PER_CU
 
@@ -84,8 +85,7 @@ def main() -> None:
                       f"new {row['new_us']:.1f} ({row['new_copy']:.0%}), one tile {row['one_tile_us']:.1f} "
                       f"({row['one_tile_copy']:.0%}); max diff {row['max_diff']:.2e}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_verify_attention.json").write_text(json.dumps(
-        dict(device=torch.cuda.get_device_name(), copy_gbps=copy, rows=rows), indent=1))
+    (args.out / "bench_verify_attention.json").write_text(json.dumps({**result, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -41,10 +41,8 @@ for path in (REPO, REPO / "ci"):
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench_mxfp4 import (  # noqa: E402
-    DEVICE, MOE_SHAPES, REL_TOL, MoeWeights, measure_copy_bandwidth, moe_call_inputs, moe_reference, rel_error,
-    time_graph,
-)
+from bench_mxfp4 import DEVICE, MOE_SHAPES, REL_TOL, MoeWeights, moe_call_inputs, moe_reference  # noqa: E402
+from gpu_timing import measure_copy_bandwidth, rel_error, time_graph  # noqa: E402
 from bench_mxfp4_expert_gemv import TOKENS as BENCH_TOKENS  # noqa: E402
 from kernels_rocm import _pdl as pdl  # noqa: E402
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig  # noqa: E402
