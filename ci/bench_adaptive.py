@@ -174,9 +174,9 @@ class Rotation(DraftLengthPolicy):
             mode, own = self._chooser[step]
             self.policies[mode].observe(own, drafted, accepted)
 
-    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
+    def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
         if self._fresh < 0:
-            self.policies[self.mode].observe_step(num_seqs, k, host_seconds, period_seconds)
+            self.policies[self.mode].observe_host(num_seqs, k, seconds)
 
 
 def window(engine, settle: int, steps: int) -> dict:
@@ -262,10 +262,7 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
         spec = SpecCounts(spec.num_drafts + w["spec"].num_drafts, 0, spec.num_accepted_tokens + w["spec"].num_accepted_tokens)
     tokens, seconds = sum(w["tokens"] for w in windows), sum(times)
     adaptive = policy is not None and not isinstance(policy, FixedDraftLength)
-    # the host times and periods an adaptive policy priced by (a --policy-b from before periods: host times alone)
-    host = policy.times.observed(num_seqs) if adaptive else {}
-    periods = getattr(policy, "periods", None)
-    seen_periods = periods.observed(num_seqs) if adaptive and periods is not None else {}
+    seen = policy.times.observed(num_seqs) if adaptive else {}  # the host times an adaptive policy priced by
     rounds = [w["tokens"] / sum(w["times"]) for w in windows]
     # the median turn: a turn the machine slowed down (seen: 10-17% in single turns of device-bound
     # points) does not move it; tokens_per_s_all is every turn's tokens over their time
@@ -275,8 +272,7 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
                 median_step_ms_by_k={k: statistics.median(v) * 1e3 for k, v in sorted(by_k.items())},
                 mean_acceptance_length=spec.mean_acceptance_length if spec.num_drafts else 1.0,
                 round_tokens_per_s=rounds,
-                host_ms_by_k={k: 1e3 * t for k, t in host.items()},
-                period_ms_by_k={k: 1e3 * t for k, t in seen_periods.items()},
+                host_ms_by_k={k: 1e3 * t for k, t in seen.items()},
                 eager_steps=sum(w["eager_steps"] for w in windows), gc2=sum(w["gc2"] for w in windows),
                 gc2_ms=sum(w["gc2_ms"] for w in windows))
 

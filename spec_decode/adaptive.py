@@ -61,9 +61,8 @@ class DraftLengthPolicy(ABC):
     def observe(self, step: int, drafted: int, accepted: int) -> None:
         """One sequence of step `step` verified `drafted` drafts and accepted the first `accepted`."""
 
-    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
-        """A steady decode step of `num_seqs` sequences at k drafts: the host's own time and the whole
-        period to the next launch (host time plus waits for the device)."""
+    def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
+        """A steady decode step of `num_seqs` sequences at k drafts took `seconds` of host time."""
 
 
 class FixedDraftLength(DraftLengthPolicy):
@@ -180,13 +179,14 @@ class StepCosts:
 
 
 class StepTimes:
-    """Seconds of steady decode steps (k the same as the step before), per batch bucket and k: the
-    policy keeps one for the host time (the wall time from a step's launch call to the next one's,
-    less the time the host spent waiting for the device in between: StepClock measures it) and one
-    for the whole period. A launch that blocks on the device would count as host time; none does
-    on the decode path (device-side sampling and acceptance).
+    """Host seconds of steady decode steps (k the same as the step before), per batch bucket and
+    k: the wall time from a step's launch call to the next one's, less the time the host spent
+    waiting for the device in between (StepClock measures it). A launch that blocks on the
+    device would count as host time; none does on the decode path (device-side sampling and
+    acceptance), and a price of max(device, host) is not raised by it anyway: such a host time
+    is at most the step's device time plus the host's own.
 
-    A step's time at k is the median of those of the last WINDOW samples at (bucket, k)
+    A step's host time at k is the median of those of the last WINDOW samples at (bucket, k)
     within OUTLIER times the fastest, once MIN_SAMPLES exist. Why not all of them: a step's worst
     noise is one-sided and large (a first-use compile: 87 ms samples among 1.7 ms steps on an
     H100 host, 2026-11-27), and a plain median of the first three samples followed two such, which
@@ -213,11 +213,11 @@ class StepTimes:
             self._medians[b][k] = _typical(samples)
 
     def observed(self, num_seqs: int) -> dict[int, float]:
-        """{k: median seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
+        """{k: median host seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
         return dict(sorted(self._medians[bucket_index(self.buckets, num_seqs)].items()))
 
     def host_times(self, num_seqs: int, max_k: int) -> list[float] | None:
-        """Seconds of a step at k = 0..max_k, seen or interpolated (None: nothing observed at this bucket)."""
+        """Host seconds of a step at k = 0..max_k (None: nothing observed at this bucket)."""
         seen = self._medians[bucket_index(self.buckets, num_seqs)]
         if not seen:
             return None
@@ -239,12 +239,12 @@ def _interpolate(seen: dict[int, float], k: int) -> float:
 
 
 class StepClock:
-    """Times the engine's steps for DraftLengthPolicy.observe_step: `begin` at every step call,
+    """Times the engine's steps for DraftLengthPolicy.observe_host: `begin` at every step call,
     `waited` for each wait on the device (collect) inside it, `end` with the (sequences, k) of
     the pure decode step the call launched (None: nothing, or a step with prompt chunks). `end`
-    returns a sample (sequences, k, host seconds, period): the previous launch's period less its
-    waits, and the period, when this launch has the same k (steady: the step verified as many
-    drafts as it proposes) and nothing came between."""
+    returns a sample (sequences, k, host seconds): the previous launch's period less its waits,
+    when this launch has the same k (steady: the step verified as many drafts as it proposes)
+    and nothing came between."""
 
     def __init__(self):
         self._entry = self._wait = 0.0
@@ -256,15 +256,14 @@ class StepClock:
     def waited(self, seconds: float) -> None:
         self._wait += seconds
 
-    def end(self, launched: tuple[int, int] | None) -> tuple[int, int, float, float] | None:
+    def end(self, launched: tuple[int, int] | None) -> tuple[int, int, float] | None:
         last, self._last = self._last, None
         if launched is None:
             return None
         self._last = (self._entry, *launched, self._wait)
         if last is None or last[2] != launched[1]:
             return None
-        period = self._entry - last[0]
-        return last[1], last[2], period - last[3], period
+        return last[1], last[2], self._entry - last[0] - last[3]
 
 
 class AdaptiveDraftLength(DraftLengthPolicy):
@@ -273,8 +272,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
     def __init__(self, max_drafts: int, costs: StepCosts, tracker: AcceptanceTracker | None = None):
         self.max_drafts, self.costs = max_drafts, costs
         self.tracker = tracker or AcceptanceTracker(max_drafts)
-        self.times = StepTimes(costs.buckets)  # host seconds
-        self.periods = StepTimes(costs.buckets)  # whole periods
+        self.times = StepTimes(costs.buckets)
         self._pending: dict[int, list[tuple[int, int]]] = defaultdict(list)
         self._merged = -1  # the last step merged into the tracker
 
@@ -282,27 +280,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         if step > self._merged:  # (a step already merged cannot be observed: see choose)
             self._pending[step].append((drafted, accepted))
 
-    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
-        self.times.observe(num_seqs, k, host_seconds)
-        self.periods.observe(num_seqs, k, period_seconds)
+    def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
+        self.times.observe(num_seqs, k, seconds)
 
     def step_times(self, num_seqs: int) -> list[float]:
-        """T(batch, k) for k = 0..max_drafts where the device time is measured (the fixed table's
-        units are not seconds: CPU tests and --enforce-eager take it as it is): the period seen at
-        k, else the profiled device time raised to the host time seen nearby. Why the period: real
-        steps can cost more than the profile says, and not smoothly in k (SmolLM2 at batch 128,
-        temperature 1: 9.6 ms at k = 5 against 6.3 priced, 6.8 ms at k = 3 against 8.9 and 8.7 at
-        k = 2 and 4; the 8B shape at ~1,700-token contexts: 1.5-2.1x the profile), and a price seen is
-        what such a step took. Ks not seen keep their estimates, so the policy tries one when it
-        looks best, and a seen price goes stale only by being lower than today's (contexts grow),
-        which sends the policy back to re-measure it: exploration without forced probes (probes of
-        neighbouring ks cost 3-10% where the device bounds a step, docs/benchmarks.md section 11)."""
+        """T(batch, k) for k = 0..max_drafts: device time, raised to the host time observed where
+        the device time is measured (the fixed table's units are not seconds)."""
         device = self.costs.step_times(num_seqs)[: self.max_drafts + 1]
-        if not self.costs.measured:
-            return device
-        host = self.times.host_times(num_seqs, self.max_drafts) or [0.0] * len(device)
-        seen = self.periods.observed(num_seqs)
-        return [seen[k] if k in seen else max(d, h) for k, (d, h) in enumerate(zip(device, host))]
+        host = self.times.host_times(num_seqs, self.max_drafts) if self.costs.measured else None
+        return device if host is None else [max(d, h) for d, h in zip(device, host)]
 
     def choose(self, step: int, num_seqs: int) -> int:
         for s in range(self._merged + 1, step - 1):

@@ -97,7 +97,7 @@ class LLMEngine:
             adaptive = self.args.speculative_adaptive and self.args.method == "eagle3" and proposer_factory is None
             self.draft_policy = (AdaptiveDraftLength(self.runner.num_spec_tokens, self.runner.step_costs) if adaptive
                                  else FixedDraftLength(self.runner.num_spec_tokens))
-        # the host time and period of decode steps, which the adaptive policy prices steps by
+        # the host time of decode steps, which the adaptive policy prices a step by where the host bounds it
         self._clock = StepClock()
         self._ids = itertools.count()
         logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d, prefix caching %s", self.args.model,
@@ -263,7 +263,7 @@ class LLMEngine:
             outputs += self._collect()
         sample = self._clock.end(decode)
         if sample is not None:
-            self.draft_policy.observe_step(*sample)
+            self.draft_policy.observe_host(*sample)
         return outputs
 
     def _num_drafts(self, batch: ScheduledBatch) -> int:
