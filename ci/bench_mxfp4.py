@@ -13,10 +13,10 @@ Measures, all in one run so the ratios share a machine state:
 - absorbed MLA decode (8 heads, 512 + 64) over an fp8 (e4m3fn) latent cache vs the bf16 cache
   at 8k and 32k context: GB/s over the KV bytes read (goal >= 80% of copy at 32k) and the KV
   capacity gained (bytes per token).
-Timing: each call is captured once in a CUDA graph and the replay is timed with
-triton.testing.do_bench, which zeroes a 256 MB buffer before every repetition, so the 50 MB L2
-never holds the weights or KV from the previous repetition (but holds dirty lines the call writes
-back; `--flush read` reads 256 MB instead, leaving clean lines). Medians.
+Timing: each call is captured once in a CUDA graph and each replay follows a 256 MB read, so the
+50 MB L2 never holds the weights or KV of the previous repetition and holds only clean lines, as in
+a decode step (ci/gpu_timing.FLUSH; `--flush zero` times with triton.testing.do_bench, whose memset
+leaves dirty lines the call must write back). Medians.
 `--profile` adds per-kernel times of one MoE call (torch.profiler); `--sweep` times alternative
 tile configurations (MoE GEMMs; MLA launch options and the fp8 upcast before the PTX one) of
 the parts run, to tune the defaults; `--parts mla --sweep` runs the MLA part alone.
@@ -504,8 +504,8 @@ def main() -> int:
     parser.add_argument("--parts", default="moe,linear,mla", help="comma list of moe, linear, mla")
     parser.add_argument("--profile", action="store_true", help="per-kernel times of one MoE call")
     parser.add_argument("--sweep", action="store_true", help="time alternative tiles / launch options")
-    parser.add_argument("--flush", choices=("zero", "read"), default="zero",
-                        help="L2 between repetitions: zeroed as do_bench does (dirty lines), or read (clean)")
+    parser.add_argument("--flush", choices=("zero", "read"), default="read",
+                        help="L2 between repetitions: read (clean lines, as in a decode step) or zeroed as do_bench does (dirty)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_mxfp4: no CUDA/ROCm GPU available", file=sys.stderr)

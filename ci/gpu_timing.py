@@ -14,12 +14,13 @@ from triton.testing import do_bench
 
 WARMUP_MS, REP_MS = 10, 60
 
-# How L2 is emptied between timed repetitions (ci/bench_mxfp4.py --flush): "zero", triton's do_bench,
-# a 256 MB memset that leaves up to 50 MB of dirty lines for the timed call to write back while it
-# reads (~1.5x the bytes of a 94 MB call, ~1.14x of a 352 MB one: an estimate of 2026-11-27, not
-# measured); or "read", a 256 MB read that leaves clean lines, as a decode step finds L2 after the
-# kernels before it read their weights.
-FLUSH = "zero"
+# How L2 is emptied between timed repetitions (ci/bench_mxfp4.py --flush): "read" (default), a 256 MB
+# read that leaves clean lines, as a decode step finds L2 after the kernels before it read their
+# weights and KV (they write only activations); or "zero", triton's do_bench, a 256 MB memset that
+# leaves up to 50 MB of dirty lines for the timed call to write back while it reads. Measured on one
+# H100 (docs/benchmarks.md section 6, 2026-11-27): "zero" made the 94 MB W4A4 MoE call at Kimi TP8
+# T = 4 21% slower (54.2 against 44.8 us; bf16's 157 MB call 6%), 12% at 173 MB, 4% at 545 MB, < 1% from 1 GB.
+FLUSH = "read"
 READ_FLUSH_REPS = 50
 
 
