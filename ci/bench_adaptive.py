@@ -20,8 +20,9 @@ runs `--settle` untimed and `--window` timed steps (zoo: `--zoo-rounds`, `--zoo-
 forwards then backwards. Why: SmolLM2's steps are host-bound, and one mode's windows minutes apart
 moved by up to 1.6x (docs/benchmarks.md section 11), more than the differences measured; turns of
 a fraction of a second put the machine's drift on every mode alike and every mode sees the same
-contexts. tokens/s = the median over a mode's turns of the tokens a turn generated / its wall time
-(the machine slowed single turns by 10-17% now and then, device-bound steps too). Every mode also
+contexts. tokens/s = the median over a mode's pairs of rounds (forwards, then backwards: the same
+mean position in the round for every mode) of the tokens the pair's turns generated / their wall
+time (the machine slowed single turns by 10-17% now and then, device-bound steps too). Every mode also
 records each round's tokens/s, its median step overall and per k, the steps that ran eagerly
 instead of replaying graphs, and the full (generation 2) garbage collections that fell inside its
 windows. `--policy-b FILE` adds the adaptive policy of a saved spec_decode/adaptive.py as a mode
@@ -236,10 +237,13 @@ def interleaved(plain, spec, policies: dict[str, DraftLengthPolicy], prompts: li
         for mode in policies if rnd % 2 == 0 else list(policies)[::-1]:
             rotation.switch(mode)
             windows[mode].append(window(spec, args.settle, args.window))
-    for engine in (plain, spec):  # a request that ran out of max_tokens would have shrunk the batch
-        if len(engine.scheduler.running) != len(prompts):
-            raise RuntimeError(f"{tag}: {len(engine.scheduler.running)} of {len(prompts)} requests still running: "
-                               "raise max_tokens or lower --rounds / --window")
+    for engine in (plain, spec):  # a request that finished or was preempted would have shrunk the batch
+        sched = engine.scheduler
+        if len(sched.running) != len(prompts):
+            pool = sched.block_manager.num_blocks * sched.block_manager.block_size
+            raise RuntimeError(f"{tag}: {len(sched.running)} of {len(prompts)} requests still running, "
+                               f"{len(sched.waiting)} preempted (the KV pool holds {pool} tokens): "
+                               "lower --rounds / --window / --warm, or raise max_tokens")
     finish(plain, ids["off"])
     finish(spec, ids["spec"])
     windows["off"] = [w for mode, w in calibration if mode == "off"]
@@ -264,9 +268,17 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
     adaptive = policy is not None and not isinstance(policy, FixedDraftLength)
     seen = policy.times.observed(num_seqs) if adaptive else {}  # the host times an adaptive policy priced by
     rounds = [w["tokens"] / sum(w["times"]) for w in windows]
-    # the median turn: a turn the machine slowed down (seen: 10-17% in single turns of device-bound
-    # points) does not move it; tokens_per_s_all is every turn's tokens over their time
-    return dict(tokens_per_s=statistics.median(rounds), tokens_per_s_all=tokens / seconds, tokens=tokens,
+    # The median over pairs of rounds (one forwards, the next backwards) of the pair's tokens over its
+    # time. A pair puts every mode at the same mean position in the round, so a drift linear in time
+    # (contexts grow every step) falls on every mode alike. A median of single turns took the middle
+    # round's, where the modes that run first see shorter contexts: at batch 128 and m = 4 on the 8B
+    # shape, one round of 7 modes x 11 steps adds ~385 tokens to every context, and k = 0's turns
+    # went 12194 -> 8897 -> 8902 tokens/s over three rounds (2026-11-27). The median over pairs keeps
+    # what the median turn was for: a pair the machine slowed down (seen: 10-17% in single turns)
+    # does not move it.
+    # tokens_per_s_all is every turn's tokens over their time.
+    pairs = [(a["tokens"] + b["tokens"]) / (sum(a["times"]) + sum(b["times"])) for a, b in zip(windows[::2], windows[1::2])]
+    return dict(tokens_per_s=statistics.median(pairs), tokens_per_s_all=tokens / seconds, tokens=tokens,
                 seconds=seconds, mean_k=sum(ks) / len(ks),
                 k_steps=dict(collections.Counter(ks)), median_step_ms=statistics.median(times) * 1e3,
                 median_step_ms_by_k={k: statistics.median(v) * 1e3 for k, v in sorted(by_k.items())},
@@ -404,11 +416,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--warm", type=int, default=6, help="untimed steps of every mode before a point's rounds")
     parser.add_argument("--adaptive-warm", type=int, default=30, help="more untimed steps of each adaptive policy")
-    parser.add_argument("--rounds", type=int, default=5, help="forced: turns of every mode a point")
-    parser.add_argument("--window", type=int, default=8, help="forced: timed steps of a mode's turn")
+    parser.add_argument("--rounds", type=int, default=6, help="forced: turns of every mode a point (even: pairs)")
+    parser.add_argument("--window", type=int, default=6, help="forced: timed steps of a mode's turn")
     parser.add_argument("--settle", type=int, default=3, help="untimed steps opening every turn")
-    parser.add_argument("--zoo-rounds", type=int, default=5, help="zoo: turns of every mode a point")
-    parser.add_argument("--zoo-window", type=int, default=24, help="zoo: timed steps of a mode's turn (real acceptance is noisy)")
+    parser.add_argument("--zoo-rounds", type=int, default=6, help="zoo: turns of every mode a point (even: pairs)")
+    parser.add_argument("--zoo-window", type=int, default=20, help="zoo: timed steps of a mode's turn (real acceptance is noisy)")
     parser.add_argument("--policy-b", help="a saved spec_decode/adaptive.py whose AdaptiveDraftLength runs as one more mode")
     parser.add_argument("--policy-b-name", default="b", help="its mode is adaptive-<this>")
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -417,6 +429,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.k, args.batches, args.warm, args.prompt_len = 2, "1,4", 3, 8
         args.parts = "forced"
         args.rounds, args.window, args.settle, args.adaptive_warm = 2, 3, 2, 3
+    if args.rounds % 2 or args.zoo_rounds % 2:
+        parser.error(f"--rounds {args.rounds} / --zoo-rounds {args.zoo_rounds}: must be even (a mode's tokens/s is "
+                     "the median over pairs of rounds, one forwards and one backwards)")
     args.batches = [int(b) for b in args.batches.split(",")]
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
