@@ -283,7 +283,8 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
                 k_steps=dict(collections.Counter(ks)), median_step_ms=statistics.median(times) * 1e3,
                 median_step_ms_by_k={k: statistics.median(v) * 1e3 for k, v in sorted(by_k.items())},
                 mean_acceptance_length=spec.mean_acceptance_length if spec.num_drafts else 1.0,
-                round_tokens_per_s=rounds,
+                round_tokens_per_s=rounds, round_tokens=[w["tokens"] for w in windows],
+                round_median_step_ms=[statistics.median(w["times"]) * 1e3 for w in windows],
                 host_ms_by_k={k: 1e3 * t for k, t in seen.items()},
                 eager_steps=sum(w["eager_steps"] for w in windows), gc2=sum(w["gc2"] for w in windows),
                 gc2_ms=sum(w["gc2_ms"] for w in windows))
