@@ -175,9 +175,9 @@ class Rotation(DraftLengthPolicy):
             mode, own = self._chooser[step]
             self.policies[mode].observe(own, drafted, accepted)
 
-    def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
+    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
         if self._fresh < 0:
-            self.policies[self.mode].observe_host(num_seqs, k, seconds)
+            self.policies[self.mode].observe_step(num_seqs, k, host_seconds, period_seconds)
 
 
 def window(engine, settle: int, steps: int) -> dict:
@@ -286,6 +286,7 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
                 round_tokens_per_s=rounds, round_tokens=[w["tokens"] for w in windows],
                 round_median_step_ms=[statistics.median(w["times"]) * 1e3 for w in windows],
                 host_ms_by_k={k: 1e3 * t for k, t in seen.items()},
+                device_offset_ms=1e3 * policy.offset.seconds(num_seqs) if adaptive and hasattr(policy, "offset") else None,
                 eager_steps=sum(w["eager_steps"] for w in windows), gc2=sum(w["gc2"] for w in windows),
                 gc2_ms=sum(w["gc2_ms"] for w in windows))
 

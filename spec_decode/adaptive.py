@@ -13,9 +13,12 @@ step, the k that maximises expected tokens per second:
 - T(batch, k) = max(device, host): the device time of a decode step that verifies k drafts and
   proposes k more (the steady state), per graph batch bucket (`StepCosts`: measured at start-up
   by replaying the captured decode graphs, cached on disk; on CPU or without graphs a fixed
-  table), and, where that was measured, the host time such steps took on this engine (`StepTimes`:
-  observed online, medians per bucket and k). A small model's steps can be host-bound: every k
-  then costs about the same period, which device time alone would not show.
+  table), plus what the running batch's device-bound steps took beyond that profile
+  (`DeviceOffset`: the profile replays at the shortest context, and attention over long contexts
+  costs about the same at every k), and, where the device time was measured, the host time such
+  steps took on this engine (`StepTimes`: observed online, medians per bucket and k). A small
+  model's steps can be host-bound: every k then costs about the same period, which device time
+  alone would not show.
 
 Timing on an overlapped pipeline: the drafts a step verifies were proposed by the step before,
 so choosing k at the launch of step N decides what step N + 1 verifies. The host learns the
@@ -61,8 +64,9 @@ class DraftLengthPolicy(ABC):
     def observe(self, step: int, drafted: int, accepted: int) -> None:
         """One sequence of step `step` verified `drafted` drafts and accepted the first `accepted`."""
 
-    def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
-        """A steady decode step of `num_seqs` sequences at k drafts took `seconds` of host time."""
+    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
+        """A steady decode step of `num_seqs` sequences at k drafts: the host's own time, and the
+        whole period to the next launch (host time plus the waits for the device)."""
 
 
 class FixedDraftLength(DraftLengthPolicy):
@@ -238,13 +242,41 @@ def _interpolate(seen: dict[int, float], k: int) -> float:
     return max(0.0, seen[k0] + (seen[k1] - seen[k0]) * (k - k0) / (k1 - k0))
 
 
+class DeviceOffset:
+    """Seconds a device-bound decode step of the running batch takes beyond the profile
+    (StepCosts), per batch bucket: the median of the last WINDOW samples of a step's period less
+    the profiled time of its k, from steps whose host waited at least DEVICE_BOUND of the period
+    for the device (there the period is the device's time; a host-bound period says nothing of
+    it). Why one offset for every k: the profile replays the graphs at the shortest context, and
+    what a long context adds (the target's and the draft's attention reading each sequence's KV
+    once, as many query rows as there are) is about the same at every k. On the 8B shape at batch
+    128 and ~2k-token contexts the steps took 9-12 ms more than the profile at k = 3, 4 and 5,
+    which moved the best k from 4 (profile) to 5 (2026-11-27, docs/benchmarks.md section 11).
+    Never below 0: a period cannot beat the device, so a negative sample is noise."""
+
+    WINDOW, DEVICE_BOUND = 16, 0.1
+
+    def __init__(self, buckets: list[int]):
+        self.buckets = list(buckets)
+        self._samples: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=self.WINDOW))
+        self._medians: dict[int, float] = {}
+
+    def observe(self, num_seqs: int, seconds: float) -> None:
+        b = bucket_index(self.buckets, num_seqs)
+        self._samples[b].append(seconds)
+        self._medians[b] = max(0.0, statistics.median(self._samples[b]))
+
+    def seconds(self, num_seqs: int) -> float:
+        return self._medians.get(bucket_index(self.buckets, num_seqs), 0.0)
+
+
 class StepClock:
-    """Times the engine's steps for DraftLengthPolicy.observe_host: `begin` at every step call,
+    """Times the engine's steps for DraftLengthPolicy.observe_step: `begin` at every step call,
     `waited` for each wait on the device (collect) inside it, `end` with the (sequences, k) of
     the pure decode step the call launched (None: nothing, or a step with prompt chunks). `end`
-    returns a sample (sequences, k, host seconds): the previous launch's period less its waits,
-    when this launch has the same k (steady: the step verified as many drafts as it proposes)
-    and nothing came between."""
+    returns a sample (sequences, k, host seconds, period): the previous launch's period less its
+    waits, and the period, when this launch has the same k (steady: the step verified as many
+    drafts as it proposes) and nothing came between."""
 
     def __init__(self):
         self._entry = self._wait = 0.0
@@ -256,14 +288,15 @@ class StepClock:
     def waited(self, seconds: float) -> None:
         self._wait += seconds
 
-    def end(self, launched: tuple[int, int] | None) -> tuple[int, int, float] | None:
+    def end(self, launched: tuple[int, int] | None) -> tuple[int, int, float, float] | None:
         last, self._last = self._last, None
         if launched is None:
             return None
         self._last = (self._entry, *launched, self._wait)
         if last is None or last[2] != launched[1]:
             return None
-        return last[1], last[2], self._entry - last[0] - last[3]
+        period = self._entry - last[0]
+        return last[1], last[2], period - last[3], period
 
 
 class AdaptiveDraftLength(DraftLengthPolicy):
@@ -273,6 +306,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self.max_drafts, self.costs = max_drafts, costs
         self.tracker = tracker or AcceptanceTracker(max_drafts)
         self.times = StepTimes(costs.buckets)
+        self.offset = DeviceOffset(costs.buckets)
         self._pending: dict[int, list[tuple[int, int]]] = defaultdict(list)
         self._merged = -1  # the last step merged into the tracker
 
@@ -280,14 +314,21 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         if step > self._merged:  # (a step already merged cannot be observed: see choose)
             self._pending[step].append((drafted, accepted))
 
-    def observe_host(self, num_seqs: int, k: int, seconds: float) -> None:
-        self.times.observe(num_seqs, k, seconds)
+    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
+        self.times.observe(num_seqs, k, host_seconds)
+        if self.costs.measured and period_seconds - host_seconds >= DeviceOffset.DEVICE_BOUND * period_seconds:
+            self.offset.observe(num_seqs, period_seconds - self.costs.step_times(num_seqs)[k])
 
     def step_times(self, num_seqs: int) -> list[float]:
-        """T(batch, k) for k = 0..max_drafts: device time, raised to the host time observed where
-        the device time is measured (the fixed table's units are not seconds)."""
+        """T(batch, k) for k = 0..max_drafts: device time (the profile plus the running batch's
+        offset), raised to the host time observed, where the device time is measured (the fixed
+        table's units are not seconds)."""
         device = self.costs.step_times(num_seqs)[: self.max_drafts + 1]
-        host = self.times.host_times(num_seqs, self.max_drafts) if self.costs.measured else None
+        if not self.costs.measured:
+            return device
+        offset = self.offset.seconds(num_seqs)
+        device = [d + offset for d in device]
+        host = self.times.host_times(num_seqs, self.max_drafts)
         return device if host is None else [max(d, h) for d, h in zip(device, host)]
 
     def choose(self, step: int, num_seqs: int) -> int:

@@ -14,7 +14,7 @@ from oracle_proposer import OracleProposer, accept_first
 
 from atom_like import LLMEngine, SamplingParams
 from spec_decode.adaptive import (AcceptanceTracker, AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength,
-                                  StepClock, StepCosts, StepTimes)
+                                  StepClock, StepCosts, StepTimes, DeviceOffset)
 
 rng = np.random.default_rng(5)
 PROMPTS = [[int(x) for x in rng.integers(0, 128, n)] for n in (3, 21, 9)]
@@ -272,14 +272,14 @@ def test_host_bound_steps_are_priced_by_their_host_time():
     policy = AdaptiveDraftLength(5, costs, AcceptanceTracker(5, prior=0.5, prior_weight=1.0))
     assert policy.choose(0, 1) == 1  # device time alone: a = 0.5 pays for one draft
     for _ in range(3):
-        policy.observe_host(1, 1, 1.5e-3)
+        policy.observe_step(1, 1, 1.5e-3, 1.5e-3)
     assert policy.step_times(1)[4] == 1.5e-3 and policy.choose(1, 1) == 5  # host-bound: every k costs 1.5 ms
     for _ in range(3):
-        policy.observe_host(1, 5, 3.1e-3)  # ... until k = 5 turns out to cost the host 0.4 ms a draft
+        policy.observe_step(1, 5, 3.1e-3, 3.1e-3)  # ... until k = 5 turns out to cost the host 0.4 ms a draft
     assert policy.step_times(1)[3] == pytest.approx(2.3e-3) and policy.choose(2, 1) == 1
     fixed = AdaptiveDraftLength(5, StepCosts.fixed([1], 5), AcceptanceTracker(5, prior=0.5, prior_weight=1.0))
     for _ in range(3):
-        fixed.observe_host(1, 1, 100.0)
+        fixed.observe_step(1, 1, 100.0, 200.0)
     assert fixed.step_times(1)[1] == StepCosts.fixed([1], 5).step_times(1)[1]  # the table's units are not seconds
 
 
@@ -294,7 +294,7 @@ def test_step_clock_samples_steady_decode_periods(monkeypatch):
         samples.append(clock.end(launched))
     # period 0 -> 10 less its 3 s wait; 10 -> 25 ends at a new k; 25 -> 31 steady again; nothing
     # launched at 40, so the launch at 52 has no period to close
-    assert samples == [None, (4, 2, 7.0), None, (4, 3, 6.0), None, None]
+    assert samples == [None, (4, 2, 7.0, 10.0), None, (4, 3, 6.0, 6.0), None, None]
 
 
 def test_adaptive_engine_is_lossless_and_follows_acceptance(llama):
@@ -391,11 +391,12 @@ def test_adaptive_steps_read_nothing_back(llama, make_eagle3_llama):
     assert len(set(chosen)) > 1, chosen
 
 
-def _simulate(policy_for, device_ms, host_ms, accept, steps=600, batch=1, noise=0.2, seed=0):
-    """tokens/s of a policy on a modelled machine: a step at k takes max(device_ms(k), host(k)) with
-    the host time noisy (lognormal), each of `batch` sequences accepts every draft with probability
-    `accept`; the engine's lags (acceptance seen two steps late) and host samples (the host part of
-    a steady step) as LLMEngine feeds them."""
+def _simulate(policy_for, device_ms, host_ms, accept, steps=600, batch=1, noise=0.2, seed=0, context_ms=0.0):
+    """tokens/s of a policy on a modelled machine: a step at k takes max(device_ms(k) + context_ms,
+    host(k)) with the host time noisy (lognormal), each of `batch` sequences accepts every draft with
+    probability `accept`; the engine's lags (acceptance seen two steps late) and step samples (the
+    host part of a steady step and its period) as LLMEngine feeds them. The start-up profile is
+    device_ms alone: context_ms is what long contexts add to every k, which it does not see."""
     rng = np.random.default_rng(seed)
     costs = StepCosts([batch], [[device_ms(k) * 1e-3 for k in range(6)]], "measured on a model")
     policy = policy_for(costs)
@@ -403,9 +404,9 @@ def _simulate(policy_for, device_ms, host_ms, accept, steps=600, batch=1, noise=
     for step in range(steps):
         k = policy.choose(step, batch)
         host = host_ms(k) * 1e-3 * rng.lognormal(0.0, noise)
-        period = max(device_ms(k) * 1e-3, host)
+        period = max((device_ms(k) + context_ms) * 1e-3, host)
         if k == last_k:
-            policy.observe_host(batch, k, host)
+            policy.observe_step(batch, k, host, period)
         last_k = k
         verified = proposed[-1] if proposed else 0
         timed = step >= steps // 5  # after a warm-up, as the benchmark's windows
@@ -439,3 +440,39 @@ def test_adaptive_on_a_modelled_machine_stays_near_the_best_fixed_k(name, device
     adaptive = _simulate(lambda costs: AdaptiveDraftLength(5, costs), device_ms, host_ms, accept)
     fixed = [_simulate(lambda costs: FixedDraftLength(k), device_ms, host_ms, accept) for k in range(6)]
     assert adaptive >= 0.90 * max(fixed) and adaptive >= 0.95 * fixed[0], (name, adaptive, fixed)
+
+
+def test_long_contexts_move_the_best_k_and_the_device_offset_follows():
+    """The 8B shape at batch 128 on an H100 (2026-11-27): the start-up profile says 17.8 ms at k = 4
+    and 22.8 at k = 5, so with every draft accepted k = 4 looks best (5 / 17.8 > 6 / 22.8); at
+    ~2k-token contexts every k took ~10 ms more, and k = 5 was best (6 / 32.8 > 5 / 27.8). The
+    profile alone stays at k = 4; the offset of the device-bound periods moves the policy to k = 5."""
+    profile = [6.9, 8.7, 12.0, 14.6, 17.8, 22.8]
+    device_ms, host_ms = (lambda k: profile[k]), (lambda k: 6.0 + 0.3 * k)
+    run = lambda policy_for: _simulate(policy_for, device_ms, host_ms, 1.0, batch=128, context_ms=10.0, noise=0.05)
+    fixed = [run(lambda costs: FixedDraftLength(k)) for k in range(6)]
+    assert max(range(6), key=fixed.__getitem__) == 5
+    policy = []
+    adaptive = run(lambda costs: policy.append(AdaptiveDraftLength(5, costs)) or policy[0])
+    assert adaptive >= 0.99 * fixed[5], (adaptive, fixed)
+    assert policy[0].offset.seconds(128) == pytest.approx(10e-3, rel=0.05)
+    assert policy[0].choose(600, 128) == 5  # the step after the simulated 600
+    policy[0].offset = DeviceOffset([128])  # the profile alone
+    assert policy[0].choose(601, 128) == 4
+
+
+def test_device_offset_learns_from_device_bound_steps_only():
+    costs = StepCosts([1, 8], [[1e-3, 2e-3], [4e-3, 6e-3]], "measured on d")
+    policy = AdaptiveDraftLength(1, costs)
+    for _ in range(3):
+        policy.observe_step(1, 1, 3e-3, 3.1e-3)  # host-bound: the host waited 0.1 ms of 3.1
+    assert policy.offset.seconds(1) == 0.0 and policy.step_times(1) == [3e-3, 3e-3]  # host time, flat
+    for period in (5e-3, 5.5e-3, 9e-3):  # the host waited for the device: periods of 5-9 ms at k = 1
+        policy.observe_step(1, 1, 1e-3, period)
+    assert policy.offset.seconds(1) == pytest.approx(3.5e-3)  # median period less the profile's 2 ms
+    assert policy.step_times(1) == pytest.approx([4.5e-3, 5.5e-3]) and policy.offset.seconds(8) == 0.0
+    policy.observe_step(8, 0, 1e-3, 2e-3)  # faster than the profile's 4 ms: noise, the offset stays >= 0
+    assert policy.offset.seconds(8) == 0.0
+    fixed = AdaptiveDraftLength(1, StepCosts.fixed([1], 1))
+    fixed.observe_step(1, 1, 1.0, 100.0)
+    assert fixed.offset.seconds(1) == 0.0  # the table's units are not seconds

@@ -263,7 +263,7 @@ class LLMEngine:
             outputs += self._collect()
         sample = self._clock.end(decode)
         if sample is not None:
-            self.draft_policy.observe_host(*sample)
+            self.draft_policy.observe_step(*sample)
         return outputs
 
     def _num_drafts(self, batch: ScheduledBatch) -> int:
