@@ -146,10 +146,10 @@ def _gate_up_epilogue(gate, up, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, COLS
 
 @triton.jit
 def _k_loop(a_rows, pair_valid, w_rows, s_rows, n_valid, w_up_offset, s_up_offset, first, last, K,
-            GATE_UP: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr):
     """K tiles [first, last) as a [BLOCK_M, K] @ [K, BLOCK_N] (the weights are the B operand):
-    (acc, acc_up) [BLOCK_M, BLOCK_N]; the activation tile is QDQ'd on load if QUANTIZE."""
+    (acc, acc_up) [BLOCK_M, BLOCK_N]."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -157,7 +157,7 @@ def _k_loop(a_rows, pair_valid, w_rows, s_rows, n_valid, w_up_offset, s_up_offse
         k0 = tile * BLOCK_K
         a = load_activation(
             a_rows + k0 + offs_k[None, :], pair_valid[:, None] & (k0 + offs_k < K)[None, :],
-            QUANTIZE, BLOCK_M, BLOCK_K, DOT_DTYPE,
+            False, BLOCK_M, BLOCK_K, DOT_DTYPE,
         )
         acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
@@ -172,7 +172,7 @@ def _k_loop_swapped(a_cols, pair_valid, w_rows, s_rows, n_valid, w_up_offset, s_
                     GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr):
     """`_k_loop` in the swapped form, out^T = W @ a^T: the decoded weights are the A operand (kept
-    in registers), the activation tile (read as is: QDQ'd beforehand) the B operand. Returns the
+    in registers), the activation tile the B operand. Returns the
     accumulators transposed back to [BLOCK_M, BLOCK_N] for the shared epilogue. a_cols: [1, BLOCK_M]
     pointers to the activation rows."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -201,8 +201,7 @@ def _mxfp4_moe_gemm_kernel(
     A_ROWS_PER_PAIR_DIV: tl.constexpr,  # activation row = pair id // this (top_k for x, 1 for h)
     GATE_UP: tl.constexpr,  # weight rows [0, N) are gate, [N, 2N) up; epilogue silu(gate) * up
     MUL_ROUTED_WEIGHT: tl.constexpr,
-    QUANTIZE_A: tl.constexpr,  # QDQ the activation tile on load (not SWAPPED: that form reads it QDQ'd)
-    QUANTIZE_H: tl.constexpr,  # QDQ h in the GATE_UP epilogue
+    QUANTIZE_H: tl.constexpr,  # QDQ h in the GATE_UP epilogue (a, x or h, is read QDQ'd)
     SPLIT_K: tl.constexpr,  # > 1: write fp32 partials [SPLIT_K, num_pairs, 2N] (GATE_UP only)
     SWAPPED: tl.constexpr,  # the weights as the MMA's A operand (`_k_loop_swapped`)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -229,7 +228,7 @@ def _mxfp4_moe_gemm_kernel(
                                       DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
     else:
         acc, acc_up = _k_loop(a_ptr + a_row[:, None], pair_valid, w_rows, s_rows, n_valid, N * stride_wn, N * stride_sn,
-                              first, last, K, GATE_UP, QUANTIZE_A, BLOCK_M, BLOCK_N, BLOCK_K,
+                              first, last, K, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K,
                               DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
 
     mask = pair_valid[:, None] & n_valid[None, :]
@@ -249,8 +248,8 @@ def _mxfp4_moe_gemm_kernel(
 
 @triton.jit
 def _qdq_rows_kernel(x_ptr, y_ptr, stride_x: tl.int64, stride_y: tl.int64, width, BLOCK: tl.constexpr):
-    """y[row] = qdq_mxfp4(x[row]) in x's dtype (`load_activation`), for the swapped GEMM 1, which
-    reads its activation tiles QDQ'd instead of QDQ'ing them in each of its N-tile programs."""
+    """y[row] = qdq_mxfp4(x[row]) in x's dtype (`load_activation`): GEMM 1 reads its activation
+    tiles QDQ'd instead of QDQ'ing them in each of its N-tile programs."""
     row = tl.program_id(0).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = cols < width  # width is a multiple of 32: the masked tail holds whole blocks
@@ -303,7 +302,7 @@ def _launch_gemm(
         num_pairs, n, k,
         a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), c.stride(0),
         A_ROWS_PER_PAIR_DIV=a_rows_per_pair_div, GATE_UP=gate_up, MUL_ROUTED_WEIGHT=not gate_up,
-        QUANTIZE_A=quantize and not swapped, QUANTIZE_H=quantize and gate_up, SPLIT_K=cfg.split_k, SWAPPED=swapped,
+        QUANTIZE_H=quantize and gate_up, SPLIT_K=cfg.split_k, SWAPPED=swapped,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(a.dtype), DOT_PRECISION=dot_precision(a.dtype), PTX_DECODE=ptx_decode(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -397,7 +396,7 @@ def fused_moe_mxfp4(
     num_pairs = num_tokens * top_k
     routing = moe_align_block_size(topk_ids, num_experts, cfg.gate_up.block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    a = _qdq_rows(x) if quantize_activations and cfg.gate_up_swapped else x
+    a = _qdq_rows(x) if quantize_activations else x
     _launch_gemm(a, w13, w13_scale, h, topk_weights, routing, inter, top_k, True, quantize_activations, cfg.gate_up,
                  cfg.gate_up_swapped)
     partial = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
