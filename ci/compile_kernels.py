@@ -142,9 +142,8 @@ def _mxfp4_linear(m, n, k, quantize, split=None):
                                   quantize_activations=quantize, config=config)
 
 
-def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, decode=False, expert_gemv=False,
-               swapped=False):
-    """decode: True for DecodeConfig(), or a DecodeConfig; swapped: the grouped GEMMs' swapped form."""
+def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, decode=False, expert_gemv=False):
+    """decode: True for DecodeConfig(), or a DecodeConfig."""
     config = (decode if isinstance(decode, mxfp4_moe_decode_mod.DecodeConfig)
               else mxfp4_moe_decode_mod.DecodeConfig() if decode else None)
     if expert_gemv:  # the launch shape default_config picks at this token count
@@ -152,9 +151,6 @@ def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, deco
     if split is not None:  # the default tiles with a forced GEMM 1 split
         config = mxfp4_moe_mod.default_config(tokens, top_k, experts, hidden, inter, torch.device("meta"))
         config = dataclasses.replace(config, gate_up=dataclasses.replace(config.gate_up, split_k=split))
-    if swapped:  # the default tiles, both GEMMs in the swapped form
-        config = mxfp4_moe_mod.default_config(tokens, top_k, experts, hidden, inter, torch.device("meta"))
-        config = dataclasses.replace(config, gate_up_swapped=True, down_swapped=True)
     u8 = torch.uint8
     mxfp4_moe_mod.fused_moe_mxfp4(
         _t(tokens, hidden), _t(experts, 2 * inter, hidden // 2, dtype=u8), _t(experts, 2 * inter, hidden // 32, dtype=u8),
@@ -202,11 +198,7 @@ CASES: dict[str, Callable[[str], None]] = {
     "MXFP4 MoE Kimi TP8 T1 w4a4 split 8": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, True, split=8),
     "MXFP4 MoE Kimi TP8 T32 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 32, True),
     "MXFP4 MoE Kimi TP8 T512 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 512, False),
-    # NVIDIA only: the swapped form is for wgmma; ROCm keeps the usual form (forced, its gfx942 down GEMM spills 6 B)
-    "MXFP4 MoE swapped Kimi TP8 T512 w4a4": lambda target: target == "sm90" and _mxfp4_moe(
-        384, 8, 7168, 256, 512, True, swapped=True),
-    "MXFP4 MoE swapped Kimi TP8 T512 w4a16": lambda target: target == "sm90" and _mxfp4_moe(
-        384, 8, 7168, 256, 512, False, swapped=True),
+    "MXFP4 MoE Kimi TP8 T256 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 256, True),  # grouped, x QDQ'd once
     "MXFP4 MoE Kimi E384 I2048 T16 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 2048, 16, True),
     "MXFP4 MoE decode Kimi TP8 T1 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, False, decode=True),
     "MXFP4 MoE decode Kimi TP8 T1 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, True, decode=True),

@@ -109,52 +109,6 @@ def e2m1_pair_to_bf16_ptx(packed):
 
 
 @triton.jit
-def e2m1_byte_to_bf16x2_ptx(packed):
-    """CUDA: uint8 bytes -> int32 words holding the byte's two E2M1 values as bf16, unscaled: the
-    low nibble (even K element) in bits 0..15, the high nibble in bits 16..31; the placement of
-    `e2m1_pair_to_bf16_ptx` with both nibbles of one byte in one word (the swapped dot's A
-    fragment holds consecutive K pairs), 6 instructions a byte.
-
-    prmt puts the byte in bits 0..7 and the byte shifted right by 4 in bits 16..23 (bits 8..15 and
-    24..31 zero: a sign-replicated byte of `u`, whose top bit the logical shift cleared); the
-    high half's top nibble (the next byte's low nibble) is masked away.
-    """
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 bias, nzero, u, t, s;
-        mov.b32 bias, 0x7E807E80;
-        mov.b32 nzero, 0x80008000;
-        shr.b32 u, $4, 4;
-        prmt.b32 t, $4, u, 0xF4F0;
-        shl.b32 s, t, 6;
-        shl.b32 t, t, 12;
-        or.b32 t, t, s;
-        and.b32 t, t, 0x81C081C0;
-        fma.rn.bf16x2 $0, t, bias, nzero;
-        prmt.b32 t, $4, u, 0xF5F1;
-        shl.b32 s, t, 6;
-        shl.b32 t, t, 12;
-        or.b32 t, t, s;
-        and.b32 t, t, 0x81C081C0;
-        fma.rn.bf16x2 $1, t, bias, nzero;
-        prmt.b32 t, $4, u, 0xF6F2;
-        shl.b32 s, t, 6;
-        shl.b32 t, t, 12;
-        or.b32 t, t, s;
-        and.b32 t, t, 0x81C081C0;
-        fma.rn.bf16x2 $2, t, bias, nzero;
-        prmt.b32 t, $4, u, 0xF7F3;
-        shl.b32 s, t, 6;
-        shl.b32 t, t, 12;
-        or.b32 t, t, s;
-        and.b32 t, t, 0x81C081C0;
-        fma.rn.bf16x2 $3, t, bias, nzero;
-        }""",
-        "=r,=r,=r,=r,r", [packed], dtype=tl.int32, is_pure=True, pack=4,
-    )
-
-
-@triton.jit
 def round_to_e2m1(v):
     """Round fp32 values already divided by their "even" block scale to the E2M1 grid
     {0, 0.5, 1, 1.5, 2, 3, 4, 6}: nearest, ties to the even code.
@@ -282,33 +236,25 @@ def load_activation(
 
 
 @triton.jit
-def _load_tile(w_rows, s_rows, n_valid, k0, K, BLOCK_K: tl.constexpr):
-    """The packed bytes [BLOCK_N, BLOCK_K // 32, 16] and E8M0 scale bytes [BLOCK_N, BLOCK_K // 32]
-    of W[rows, k0:k0+BLOCK_K] (zeros / 127 past N or K).
+def mxfp4_dot(
+    acc, a, w_rows, s_rows, n_valid, k0, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
+):
+    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T for MXFP4 W.
 
-    w_rows / s_rows: [BLOCK_N] pointers to the packed row / scale row of each weight row (int64
-    offsets formed by the caller); n_valid masks rows past N; K a multiple of 32."""
+    w_rows / s_rows: [BLOCK_N] pointers to the packed row / scale row of each output column
+    (int64 offsets formed by the caller); n_valid masks columns past N; K a multiple of 32.
+    PTX_DECODE (compiled CUDA, bf16 dots) decodes with `e2m1_pair_to_bf16_ptx` and scales in
+    bf16 (exact: a power of two times an E2M1 value stays in bf16's fp32-sized range).
+    """
     groups = tl.arange(0, BLOCK_K // 32)
     k_valid = (k0 + groups * 32) < K  # whole 32-blocks are in or out
     scale_bytes = tl.load(s_rows[:, None] + k0 // 32 + groups[None, :],
                           mask=n_valid[:, None] & k_valid[None, :], other=127)
     byte_offs = k0 // 2 + groups[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16]
     mask = n_valid[:, None, None] & k_valid[None, :, None]
-    return tl.load(w_rows[:, None, None] + byte_offs[None, :, :], mask=mask, other=0), scale_bytes
-
-
-@triton.jit
-def mxfp4_dot(
-    acc, a, w_rows, s_rows, n_valid, k0, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
-):
-    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T for MXFP4 W
-    (`_load_tile`); the decoded weights are the dots' B operand, one dot per K parity. PTX_DECODE
-    (compiled CUDA, bf16 dots) decodes with `e2m1_pair_to_bf16_ptx` and scales in bf16 (exact: a
-    power of two times an E2M1 value stays in bf16's fp32-sized range).
-    """
-    packed, scale_bytes = _load_tile(w_rows, s_rows, n_valid, k0, K, BLOCK_K)
+    packed = tl.load(w_rows[:, None, None] + byte_offs[None, :, :], mask=mask, other=0)
     if PTX_DECODE:
         scale = e8m0_to_bf16(scale_bytes)[:, :, None]
         lo, hi = e2m1_pair_to_bf16_ptx(packed)
@@ -320,49 +266,6 @@ def mxfp4_dot(
     a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
     acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision=DOT_PRECISION)
     return tl.dot(a_odd, tl.trans(w_odd), acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def mma_k_order(t, AXIS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Permute a tile's K axis (axis 0 or 1 of a 2D tile) into the order the swapped dot uses.
-
-    An MMA's A fragment gives a lane, per 16-element K step, the elements 2c, 2c+1, 2c+8, 2c+9
-    (c = lane % 4): in the packed layout that is bytes c and c + 4 of each 8, single bytes. A dot
-    is a sum over K, so both operands may share any K order: this one gives lane column c the
-    BLOCK_K / 8 consecutive packed bytes [c * BLOCK_K / 8, (c + 1) * BLOCK_K / 8) (16-byte loads at
-    BLOCK_K = 128, one E8M0 scale), the byte c * BLOCK_K / 8 + 2s + p landing at K step s,
-    position 8p + 2c of the fragment, its two codes side by side."""
-    if AXIS == 1:
-        rows: tl.constexpr = t.shape[0]
-        t = tl.reshape(t, [rows, 4, BLOCK_K // 16, 2, 2])
-        return tl.reshape(tl.permute(t, (0, 2, 3, 1, 4)), [rows, BLOCK_K])
-    else:
-        cols: tl.constexpr = t.shape[1]
-        t = tl.reshape(t, [4, BLOCK_K // 16, 2, 2, cols])
-        return tl.reshape(tl.permute(t, (1, 2, 0, 3, 4)), [BLOCK_K, cols])
-
-
-@triton.jit
-def mxfp4_dot_swapped(
-    acc_t, a_t, w_rows, s_rows, n_valid, k0, K,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
-):
-    """The swapped form of `mxfp4_dot`: acc_t [BLOCK_N, BLOCK_M] += W[rows, k0:k0+BLOCK_K] @ a_t
-    [BLOCK_K, BLOCK_M], a_t's K axis in `mma_k_order`. The decoded weights are the dot's A operand
-    (the MMA's M axis: a wgmma's 64 rows a warpgroup), which the MMA reads from registers; a
-    byte's two codes are consecutive K elements, joined back side by side, K permuted alike."""
-    packed, scale_bytes = _load_tile(w_rows, s_rows, n_valid, k0, K, BLOCK_K)
-    if PTX_DECODE:
-        scale = e8m0_to_bf16(scale_bytes)[:, :, None, None]
-        pairs = e2m1_byte_to_bf16x2_ptx(packed)
-        lo = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        scale = e8m0_to_fp32(scale_bytes)[:, :, None, None]
-        lo, hi = e2m1_pair_to_fp32(packed)
-    w = tl.reshape((tl.join(lo, hi) * scale).to(DOT_DTYPE), [BLOCK_N, BLOCK_K])
-    return tl.dot(mma_k_order(w, 1, BLOCK_K), a_t, acc_t, input_precision=DOT_PRECISION)
 
 
 def check_mxfp4_weight(name: str, weight, scale, scale_name: str, k: int | None = None) -> None:

@@ -15,8 +15,11 @@ expert and padded to BLOCK_M, a grouped GEMM over (M block, N tile) programs tha
 used length, then the sum over a token's K rows. The MXFP4 parts (see `_mxfp4`):
 - weights: packed bytes and E8M0 scales are read and dequantized in registers; with decode's
   one or two pairs per expert every weight byte is read once per expert hit;
-- GEMM 1 QDQs its activation tile on load and ends with silu(gate) * up, rounded to x's dtype
-  and QDQ'd per 32 columns (its N tile is a multiple of 32): GEMM 2 reads h ready to use;
+- with MXFP4 activations x is QDQ'd once per call (`qdq_rows`, one launch) and GEMM 1 reads
+  it ready to use: QDQ'ing each activation tile on load repeated it in every N tile of GEMM 1 and
+  cost 7-11% of the whole call at T = 64-512 (H100, docs/benchmarks.md section 6, 2026-11-27);
+  GEMM 1 ends with silu(gate) * up, rounded to x's dtype and QDQ'd per 32 columns (its N tile is
+  a multiple of 32): GEMM 2 reads h ready to use;
 - decode (T <= 32 tokens x top-8) touches few experts and GEMM 1 has few columns (2I = 512 per
   Kimi TP8 rank) against a long K (7168): its tiles alone cannot fill the GPU, so K is split
   over SPLIT_K programs writing fp32 partials and `_gate_up_splits_kernel` sums them in a fixed
@@ -37,8 +40,6 @@ from kernels_rocm._mxfp4 import (
     check_mxfp4_weight,
     load_activation,
     mxfp4_dot,
-    mma_k_order,
-    mxfp4_dot_swapped,
     qdq_mxfp4_blocks,
     silu_mul,
 )
@@ -112,9 +113,6 @@ class MoeConfig:
 
     gate_up: GemmConfig
     down: GemmConfig
-    # the swapped form of each GEMM (`_k_loop_swapped`: weights as the MMA's A operand)
-    gate_up_swapped: bool = False
-    down_swapped: bool = False
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
@@ -144,53 +142,6 @@ def _gate_up_epilogue(gate, up, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, COLS
     return h
 
 
-@triton.jit
-def _k_loop(a_rows, pair_valid, w_rows, s_rows, n_valid, w_up_offset, s_up_offset, first, last, K,
-            GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr):
-    """K tiles [first, last) as a [BLOCK_M, K] @ [K, BLOCK_N] (the weights are the B operand):
-    (acc, acc_up) [BLOCK_M, BLOCK_N]."""
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for tile in range(first, last):
-        k0 = tile * BLOCK_K
-        a = load_activation(
-            a_rows + k0 + offs_k[None, :], pair_valid[:, None] & (k0 + offs_k < K)[None, :],
-            False, BLOCK_M, BLOCK_K, DOT_DTYPE,
-        )
-        acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
-                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
-        if GATE_UP:
-            acc_up = mxfp4_dot(acc_up, a, w_rows + w_up_offset, s_rows + s_up_offset, n_valid, k0, K,
-                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
-    return acc, acc_up
-
-
-@triton.jit
-def _k_loop_swapped(a_cols, pair_valid, w_rows, s_rows, n_valid, w_up_offset, s_up_offset, first, last, K,
-                    GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr):
-    """`_k_loop` in the swapped form, out^T = W @ a^T: the decoded weights are the A operand (kept
-    in registers), the activation tile the B operand. Returns the
-    accumulators transposed back to [BLOCK_M, BLOCK_N] for the shared epilogue. a_cols: [1, BLOCK_M]
-    pointers to the activation rows."""
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for tile in range(first, last):
-        k0 = tile * BLOCK_K
-        a_t = tl.load(a_cols + (k0 + offs_k)[:, None], mask=pair_valid[None, :] & (k0 + offs_k < K)[:, None],
-                      other=0.0)
-        a_t = mma_k_order(a_t.to(DOT_DTYPE), 0, BLOCK_K)
-        acc = mxfp4_dot_swapped(acc, a_t, w_rows, s_rows, n_valid, k0, K,
-                                BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
-        if GATE_UP:
-            acc_up = mxfp4_dot_swapped(acc_up, a_t, w_rows + w_up_offset, s_rows + s_up_offset, n_valid, k0, K,
-                                       BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
-    return tl.trans(acc), tl.trans(acc_up)
-
-
 @triton.jit(do_not_specialize=["num_pairs"])
 def _mxfp4_moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, c_ptr, part_ptr, topk_weights_ptr,
@@ -201,9 +152,8 @@ def _mxfp4_moe_gemm_kernel(
     A_ROWS_PER_PAIR_DIV: tl.constexpr,  # activation row = pair id // this (top_k for x, 1 for h)
     GATE_UP: tl.constexpr,  # weight rows [0, N) are gate, [N, 2N) up; epilogue silu(gate) * up
     MUL_ROUTED_WEIGHT: tl.constexpr,
-    QUANTIZE_H: tl.constexpr,  # QDQ h in the GATE_UP epilogue (a, x or h, is read QDQ'd)
+    QUANTIZE: tl.constexpr,  # QDQ h in the GATE_UP epilogue (the activation, x or h, is read QDQ'd)
     SPLIT_K: tl.constexpr,  # > 1: write fp32 partials [SPLIT_K, num_pairs, 2N] (GATE_UP only)
-    SWAPPED: tl.constexpr,  # the weights as the MMA's A operand (`_k_loop_swapped`)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
 ):
@@ -218,18 +168,24 @@ def _mxfp4_moe_gemm_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < N
-    a_row = (pair // A_ROWS_PER_PAIR_DIV) * stride_am
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + (pair // A_ROWS_PER_PAIR_DIV)[:, None] * stride_am
     w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     first, last = split_k_range(K, split, BLOCK_K, SPLIT_K)
-    if SWAPPED:
-        acc, acc_up = _k_loop_swapped(a_ptr + a_row[None, :], pair_valid, w_rows, s_rows, n_valid, N * stride_wn, N * stride_sn,
-                                      first, last, K, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
-    else:
-        acc, acc_up = _k_loop(a_ptr + a_row[:, None], pair_valid, w_rows, s_rows, n_valid, N * stride_wn, N * stride_sn,
-                              first, last, K, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K,
-                              DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+    for tile in range(first, last):
+        k0 = tile * BLOCK_K
+        a = load_activation(
+            a_rows + k0 + offs_k[None, :], pair_valid[:, None] & (k0 + offs_k < K)[None, :],
+            False, BLOCK_M, BLOCK_K, DOT_DTYPE,
+        )
+        acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+        if GATE_UP:
+            acc_up = mxfp4_dot(acc_up, a, w_rows + N * stride_wn, s_rows + N * stride_sn, n_valid, k0, K,
+                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
 
     mask = pair_valid[:, None] & n_valid[None, :]
     if SPLIT_K > 1:
@@ -238,7 +194,7 @@ def _mxfp4_moe_gemm_kernel(
         tl.store(part + N, acc_up, mask=mask)
     else:
         if GATE_UP:
-            out = _gate_up_epilogue(acc, acc_up, QUANTIZE_H, BLOCK_M, BLOCK_N, c_ptr.dtype.element_ty)
+            out = _gate_up_epilogue(acc, acc_up, QUANTIZE, BLOCK_M, BLOCK_N, c_ptr.dtype.element_ty)
         else:
             out = acc
         if MUL_ROUTED_WEIGHT:
@@ -248,8 +204,7 @@ def _mxfp4_moe_gemm_kernel(
 
 @triton.jit
 def _qdq_rows_kernel(x_ptr, y_ptr, stride_x: tl.int64, stride_y: tl.int64, width, BLOCK: tl.constexpr):
-    """y[row] = qdq_mxfp4(x[row]) in x's dtype (`load_activation`): GEMM 1 reads its activation
-    tiles QDQ'd instead of QDQ'ing them in each of its N-tile programs."""
+    """y[row] = qdq_mxfp4(x[row]) in x's dtype (`load_activation`), once per call for GEMM 1."""
     row = tl.program_id(0).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = cols < width  # width is a multiple of 32: the masked tail holds whole blocks
@@ -257,11 +212,13 @@ def _qdq_rows_kernel(x_ptr, y_ptr, stride_x: tl.int64, stride_y: tl.int64, width
     tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
 
 
-def _qdq_rows(x: torch.Tensor) -> torch.Tensor:
+def qdq_rows(x: torch.Tensor) -> torch.Tensor:
+    """qdq_mxfp4 of each row of x [M, W] (W a multiple of 32) in one launch, in x's dtype."""
     y = torch.empty_like(x)
-    block = min(1024, triton.next_power_of_2(x.shape[1]))
-    _qdq_rows_kernel[(x.shape[0], triton.cdiv(x.shape[1], block))](
-        x, y, x.stride(0), y.stride(0), x.shape[1], BLOCK=block, num_warps=4)
+    if x.numel():
+        block = min(1024, triton.next_power_of_2(x.shape[1]))
+        _qdq_rows_kernel[(x.shape[0], triton.cdiv(x.shape[1], block))](
+            x, y, x.stride(0), y.stride(0), x.shape[1], BLOCK=block, num_warps=4)
     return y
 
 
@@ -287,7 +244,7 @@ def _gate_up_splits_kernel(
 def _launch_gemm(
     a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
     routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int, a_rows_per_pair_div: int,
-    gate_up: bool, quantize: bool, cfg: GemmConfig, swapped: bool,
+    gate_up: bool, quantize: bool, cfg: GemmConfig,
 ) -> None:
     sorted_ids, expert_ids, num_padded = routing
     num_pairs = c.shape[0]
@@ -302,7 +259,7 @@ def _launch_gemm(
         num_pairs, n, k,
         a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), c.stride(0),
         A_ROWS_PER_PAIR_DIV=a_rows_per_pair_div, GATE_UP=gate_up, MUL_ROUTED_WEIGHT=not gate_up,
-        QUANTIZE_H=quantize and gate_up, SPLIT_K=cfg.split_k, SWAPPED=swapped,
+        QUANTIZE=quantize, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(a.dtype), DOT_PRECISION=dot_precision(a.dtype), PTX_DECODE=ptx_decode(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -396,11 +353,9 @@ def fused_moe_mxfp4(
     num_pairs = num_tokens * top_k
     routing = moe_align_block_size(topk_ids, num_experts, cfg.gate_up.block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    a = _qdq_rows(x) if quantize_activations else x
-    _launch_gemm(a, w13, w13_scale, h, topk_weights, routing, inter, top_k, True, quantize_activations, cfg.gate_up,
-                 cfg.gate_up_swapped)
+    a = qdq_rows(x) if quantize_activations else x
+    _launch_gemm(a, w13, w13_scale, h, topk_weights, routing, inter, top_k, True, quantize_activations, cfg.gate_up)
     partial = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _launch_gemm(h, w2, w2_scale, partial, topk_weights, routing, hidden, 1, False, False, cfg.down,  # h is QDQ'd
-                 cfg.down_swapped)
+    _launch_gemm(h, w2, w2_scale, partial, topk_weights, routing, hidden, 1, False, False, cfg.down)  # h is QDQ'd
     torch.sum(partial.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from _kernel_cases import nan_like
 from kernels_rocm.mxfp4_linear import GemmConfig, mxfp4_linear
-from kernels_rocm.mxfp4_moe import DECODE_MAX_TOKENS, MoeConfig, default_config, fused_moe_mxfp4
+from kernels_rocm.mxfp4_moe import DECODE_MAX_TOKENS, MoeConfig, default_config, fused_moe_mxfp4, qdq_rows
 from kernels_rocm import mxfp4_moe_decode
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig
 from model_ops.quant.mxfp4 import dequantize_mxfp4, qdq_mxfp4, quantize_mxfp4
@@ -239,38 +239,14 @@ def test_moe_e8m0_bytes_0_and_254(path):
     _close(fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=config), ref)
 
 
-SWAPPED_CONFIGS = {
-    "k64": MoeConfig(gate_up=GemmConfig(16, 32, 64), down=GemmConfig(16, 32, 64),
-                     gate_up_swapped=True, down_swapped=True),
-    "k128_n64": MoeConfig(gate_up=GemmConfig(16, 64, 128), down=GemmConfig(16, 64, 128),  # K tails masked
-                          gate_up_swapped=True, down_swapped=True),
-    "split2_gate_up_only": MoeConfig(gate_up=GemmConfig(16, 32, 32, split_k=2), down=GemmConfig(16, 32, 64),
-                                     gate_up_swapped=True),
-}
-
-
-@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
-@pytest.mark.parametrize("config", list(SWAPPED_CONFIGS), ids=str)
-@pytest.mark.parametrize("num_tokens", [5, 13], ids=lambda t: f"T{t}")
-def test_moe_swapped_matches_reference(num_tokens, config, quantize):
-    """The grouped GEMMs' swapped form (weights as the MMA's A operand, K in mma_k_order, x QDQ'd
-    once, h QDQ'd per 32 weight rows of GEMM 1) against the reference; experts 1 and 5 get no
-    tokens, expert 2 all of them (several M blocks)."""
-    g = torch.Generator().manual_seed(20 + num_tokens)
-    x, w13, s13, w2, s2, weights, ids = _moe_case(num_tokens, 3, g)
-    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids.to(torch.int32), quantize, out=nan_like(x),
-                          config=SWAPPED_CONFIGS[config])
-    _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
-
-
-@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
-def test_moe_swapped_e8m0_bytes_0_and_254(quantize):
-    g = torch.Generator().manual_seed(24)
-    x, w13, s13, w2, s2, weights, ids = _moe_case(4, 2, g, hot=3)
-    w13, s13, x = _with_extreme_scales(w13, s13, x, g)
-    ref = _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize)
-    assert torch.isfinite(ref).all() and ref.abs().max() > 1e-3
-    _close(fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, config=SWAPPED_CONFIGS["k64"]), ref)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qdq_rows_equals_reference(dtype):
+    """The grouped path's once-per-call activation QDQ equals qdq_mxfp4 exactly: odd rows, a width
+    of 5 blocks (the 256-wide tile's tail masked), a block of zeros, values past 6 * 2^k."""
+    g = torch.Generator().manual_seed(25)
+    x = (torch.randn(7, 160, generator=g) * 40).to(dtype)
+    x[2, 32:64] = 0
+    assert torch.equal(qdq_rows(x), qdq_mxfp4(x))
 
 
 def test_moe_bfloat16():

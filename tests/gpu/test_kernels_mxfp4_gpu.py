@@ -23,12 +23,11 @@ import triton
 import triton.language as tl
 
 from _kernel_cases import make_metadata, metadata_args  # tests/ is on sys.path via tests/conftest.py
-from kernels_rocm._mxfp4 import e2m1_byte_to_bf16x2_ptx, e2m1_pair_to_bf16_ptx, e8m0_to_bf16
+from kernels_rocm._mxfp4 import e2m1_pair_to_bf16_ptx, e8m0_to_bf16
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache
 from kernels_rocm.mla_decode import e4m3fn_to_f16_ptx, mla_paged_attention
 from kernels_rocm.mxfp4_linear import mxfp4_linear
 from kernels_rocm.mxfp4_moe import decode_max_tokens, fused_moe_mxfp4
-from kernels_rocm.mxfp4_moe import MoeConfig
 from kernels_rocm.mxfp4_moe import default_config as moe_default_config
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig, _e2m1_dot
 from kernels_rocm.mxfp4_moe_expert_gemv import default_config as expert_default_config
@@ -421,60 +420,3 @@ def test_expert_gemv_path_compiled(shape, num_tokens):
     grouped = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True,
                               config=moe_default_config(num_tokens, top_k, num_experts, hidden, inter, x.device))
     assert_rel_close(out, grouped)
-
-
-@triton.jit
-def _byte_pair_probe_kernel(packed_ptr, scale_ptr, out_ptr):
-    row = tl.program_id(0)
-    packed = tl.load(packed_ptr + row * 16 + tl.arange(0, 16))
-    pairs = e2m1_byte_to_bf16x2_ptx(packed)
-    lo = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    hi = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    w = tl.reshape(tl.join(lo, hi), [32]) * e8m0_to_bf16(tl.load(scale_ptr + row))
-    tl.store(out_ptr + row * 32 + tl.arange(0, 32), w)
-
-
-@pytest.mark.skipif(torch.version.hip is not None, reason="the PTX decode is the CUDA path")
-def test_ptx_byte_pair_decode_is_exact_for_every_byte_and_scale():
-    """The swapped form's decode (both codes of a byte in one word) equals dequantize_mxfp4
-    rounded to bf16 bit for bit, every byte at every word position under every E8M0 byte 0..254."""
-    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(16, 16)
-    scales = torch.arange(255, dtype=torch.uint8, device=DEVICE)
-    packed = codes.repeat(255, 1).contiguous()
-    scale = scales.repeat_interleave(16)[:, None].contiguous()
-    out = torch.empty(packed.shape[0], 32, dtype=torch.bfloat16, device=DEVICE)
-    _byte_pair_probe_kernel[(packed.shape[0],)](packed, scale, out)
-    expected = dequantize_mxfp4(packed, scale).bfloat16()
-    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
-
-
-def _swapped(config: MoeConfig) -> MoeConfig:
-    return dataclasses.replace(config, gate_up_swapped=True, down_swapped=True)
-
-
-@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
-@pytest.mark.parametrize("num_tokens", [33, 256])
-@pytest.mark.parametrize("shape", list(MOE_SHAPES))
-def test_swapped_grouped_path_compiled(shape, num_tokens, quantize):
-    """The grouped GEMMs' swapped form (wgmma, decoded weights as the A operand from registers)
-    against the fp32 reference and the grouped GEMMs' other form at the same inputs."""
-    num_experts, top_k, hidden, inter = MOE_SHAPES[shape]
-    x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=20)
-    base = moe_default_config(num_tokens, top_k, num_experts, hidden, inter, x.device)
-    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, out=torch.full_like(x, float("nan")),
-                          config=_swapped(base))
-    assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
-    assert_rel_close(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, config=base))
-
-
-def test_swapped_e8m0_bytes_0_and_254_compiled():
-    """E8M0 bytes 0 (2^-127) and 254 (2^127) through the swapped GEMMs' PTX decode: one 32-block
-    of every w13 row at each, the matching x columns scaled so they contribute O(1)."""
-    x, w13, s13, w2, s2, weights, ids = moe_inputs("kimi_tp8", 64, seed=21)
-    s13[..., 0], s13[..., -1] = 0, 254
-    w13[..., -16:] &= 0xBB  # magnitudes <= 1.5 under 2^127
-    x[:, :32] *= 2.0**120
-    x[:, -32:] *= 2.0**-126
-    config = _swapped(moe_default_config(64, 8, 384, 7168, 256, x.device))
-    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=config)
-    assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, False))
