@@ -198,6 +198,7 @@ CASES: dict[str, Callable[[str], None]] = {
     "MXFP4 MoE Kimi TP8 T1 w4a4 split 8": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, True, split=8),
     "MXFP4 MoE Kimi TP8 T32 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 32, True),
     "MXFP4 MoE Kimi TP8 T512 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 512, False),
+    "MXFP4 MoE Kimi TP8 T256 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 256, True),  # grouped, x QDQ'd once
     "MXFP4 MoE Kimi E384 I2048 T16 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 2048, 16, True),
     "MXFP4 MoE decode Kimi TP8 T1 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, False, decode=True),
     "MXFP4 MoE decode Kimi TP8 T1 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, True, decode=True),

@@ -15,8 +15,11 @@ expert and padded to BLOCK_M, a grouped GEMM over (M block, N tile) programs tha
 used length, then the sum over a token's K rows. The MXFP4 parts (see `_mxfp4`):
 - weights: packed bytes and E8M0 scales are read and dequantized in registers; with decode's
   one or two pairs per expert every weight byte is read once per expert hit;
-- GEMM 1 QDQs its activation tile on load and ends with silu(gate) * up, rounded to x's dtype
-  and QDQ'd per 32 columns (its N tile is a multiple of 32): GEMM 2 reads h ready to use;
+- with MXFP4 activations x is QDQ'd once per call (`qdq_rows`, one launch) and GEMM 1 reads
+  it ready to use: QDQ'ing each activation tile on load repeated it in every N tile of GEMM 1 and
+  cost 7-11% of the whole call at T = 64-512 (H100, docs/benchmarks.md section 6, 2026-11-27);
+  GEMM 1 ends with silu(gate) * up, rounded to x's dtype and QDQ'd per 32 columns (its N tile is
+  a multiple of 32): GEMM 2 reads h ready to use;
 - decode (T <= 32 tokens x top-8) touches few experts and GEMM 1 has few columns (2I = 512 per
   Kimi TP8 rank) against a long K (7168): its tiles alone cannot fill the GPU, so K is split
   over SPLIT_K programs writing fp32 partials and `_gate_up_splits_kernel` sums them in a fixed
@@ -149,7 +152,7 @@ def _mxfp4_moe_gemm_kernel(
     A_ROWS_PER_PAIR_DIV: tl.constexpr,  # activation row = pair id // this (top_k for x, 1 for h)
     GATE_UP: tl.constexpr,  # weight rows [0, N) are gate, [N, 2N) up; epilogue silu(gate) * up
     MUL_ROUTED_WEIGHT: tl.constexpr,
-    QUANTIZE: tl.constexpr,  # QDQ the activation tile on load and h in the GATE_UP epilogue
+    QUANTIZE: tl.constexpr,  # QDQ h in the GATE_UP epilogue (the activation, x or h, is read QDQ'd)
     SPLIT_K: tl.constexpr,  # > 1: write fp32 partials [SPLIT_K, num_pairs, 2N] (GATE_UP only)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
@@ -176,7 +179,7 @@ def _mxfp4_moe_gemm_kernel(
         k0 = tile * BLOCK_K
         a = load_activation(
             a_rows + k0 + offs_k[None, :], pair_valid[:, None] & (k0 + offs_k < K)[None, :],
-            QUANTIZE, BLOCK_M, BLOCK_K, DOT_DTYPE,
+            False, BLOCK_M, BLOCK_K, DOT_DTYPE,
         )
         acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
@@ -197,6 +200,26 @@ def _mxfp4_moe_gemm_kernel(
         if MUL_ROUTED_WEIGHT:
             out = out * tl.load(topk_weights_ptr + pair, mask=pair_valid, other=0.0)[:, None]
         tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qdq_rows_kernel(x_ptr, y_ptr, stride_x: tl.int64, stride_y: tl.int64, width, BLOCK: tl.constexpr):
+    """y[row] = qdq_mxfp4(x[row]) in x's dtype (`load_activation`), once per call for GEMM 1."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    mask = cols < width  # width is a multiple of 32: the masked tail holds whole blocks
+    y = load_activation(x_ptr + row * stride_x + cols, mask, True, 1, BLOCK, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+
+
+def qdq_rows(x: torch.Tensor) -> torch.Tensor:
+    """qdq_mxfp4 of each row of x [M, W] (W a multiple of 32) in one launch, in x's dtype."""
+    y = torch.empty_like(x)
+    if x.numel():
+        block = min(1024, triton.next_power_of_2(x.shape[1]))
+        _qdq_rows_kernel[(x.shape[0], triton.cdiv(x.shape[1], block))](
+            x, y, x.stride(0), y.stride(0), x.shape[1], BLOCK=block, num_warps=4)
+    return y
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -330,7 +353,8 @@ def fused_moe_mxfp4(
     num_pairs = num_tokens * top_k
     routing = moe_align_block_size(topk_ids, num_experts, cfg.gate_up.block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _launch_gemm(x, w13, w13_scale, h, topk_weights, routing, inter, top_k, True, quantize_activations, cfg.gate_up)
+    a = qdq_rows(x) if quantize_activations else x
+    _launch_gemm(a, w13, w13_scale, h, topk_weights, routing, inter, top_k, True, quantize_activations, cfg.gate_up)
     partial = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _launch_gemm(h, w2, w2_scale, partial, topk_weights, routing, hidden, 1, False, False, cfg.down)  # h is QDQ'd
     torch.sum(partial.view(num_tokens, top_k, hidden), dim=1, out=out)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from _kernel_cases import nan_like
 from kernels_rocm.mxfp4_linear import GemmConfig, mxfp4_linear
-from kernels_rocm.mxfp4_moe import DECODE_MAX_TOKENS, MoeConfig, default_config, fused_moe_mxfp4
+from kernels_rocm.mxfp4_moe import DECODE_MAX_TOKENS, MoeConfig, default_config, fused_moe_mxfp4, qdq_rows
 from kernels_rocm import mxfp4_moe_decode
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig
 from model_ops.quant.mxfp4 import dequantize_mxfp4, qdq_mxfp4, quantize_mxfp4
@@ -237,6 +237,16 @@ def test_moe_e8m0_bytes_0_and_254(path):
     ref = _moe_reference(x, w13, s13, w2, s2, weights, ids, False)
     assert torch.isfinite(ref).all() and ref.abs().max() > 1e-3
     _close(fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=config), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qdq_rows_equals_reference(dtype):
+    """The grouped path's once-per-call activation QDQ equals qdq_mxfp4 exactly: odd rows, a width
+    of 5 blocks (the 256-wide tile's tail masked), a block of zeros, values past 6 * 2^k."""
+    g = torch.Generator().manual_seed(25)
+    x = (torch.randn(7, 160, generator=g) * 40).to(dtype)
+    x[2, 32:64] = 0
+    assert torch.equal(qdq_rows(x), qdq_mxfp4(x))
 
 
 def test_moe_bfloat16():
