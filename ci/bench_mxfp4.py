@@ -466,16 +466,18 @@ def summarize(results: dict) -> tuple[list[str], list[str]]:
         moe = [r for r in results["moe"] if r["shape"] == shape]
         bw = [r for r in moe if r["tokens"] >= 32]
         small = [r for r in moe if r["tokens"] <= 32]
+        # the goals are judged on W4A4, the released checkpoint's activations (W4A16 is the
+        # --mxfp4-activations unquantized comparison mode, reported beside it)
         if bw:
-            worst = min(bw, key=lambda r: r["w4a16_fraction"])
-            summary.append(f"{shape}: W4A16 from T=32 at >= {worst['w4a16_fraction'] * 100:.0f}% of copy (T={worst['tokens']}) "
-                           f"— {'meets' if worst['w4a16_fraction'] >= GOAL_MOE_FRACTION else 'misses'} the 70% goal; W4A4 "
-                           f">= {min(r['w4a4_fraction'] for r in bw) * 100:.0f}%")
+            worst = min(bw, key=lambda r: r["w4a4_fraction"])
+            summary.append(f"{shape}: W4A4 from T=32 at >= {worst['w4a4_fraction'] * 100:.0f}% of copy (T={worst['tokens']}) "
+                           f"— {'meets' if worst['w4a4_fraction'] >= GOAL_MOE_FRACTION else 'misses'} the 70% goal; W4A16 "
+                           f">= {min(r['w4a16_fraction'] for r in bw) * 100:.0f}%")
         if small:
-            worst = min(small, key=lambda r: r["speedup_w4a16"])
-            summary.append(f"{shape}: speedup over bf16 at T <= 32 >= {worst['speedup_w4a16']:.1f}x W4A16 "
-                           f"(T={worst['tokens']}), >= {min(r['speedup_w4a4'] for r in small):.1f}x W4A4 — "
-                           f"{'meets' if worst['speedup_w4a16'] >= GOAL_MOE_SPEEDUP else 'misses'} the 3x goal")
+            worst = min(small, key=lambda r: r["speedup_w4a4"])
+            summary.append(f"{shape}: speedup over bf16 at T <= 32 >= {worst['speedup_w4a4']:.1f}x W4A4 "
+                           f"(T={worst['tokens']}) — {'meets' if worst['speedup_w4a4'] >= GOAL_MOE_SPEEDUP else 'misses'} "
+                           f"the 3x goal; W4A16 >= {min(r['speedup_w4a16'] for r in small):.1f}x")
     fp8_long = [r for r in results.get("mla", []) if r["kv"] != "bf16" and r["context"] == max(MLA_CONTEXTS)]
     if fp8_long:
         best = max(fp8_long, key=lambda r: r["fraction_of_copy"])
