@@ -250,7 +250,7 @@ class DeviceOffset:
     it). Why one offset for every k: the profile replays the graphs at the shortest context, and
     what a long context adds (the target's and the draft's attention reading each sequence's KV
     once, as many query rows as there are) is about the same at every k. On the 8B shape at batch
-    128 and ~2k-token contexts the steps took 9-12 ms more than the profile at k = 3, 4 and 5,
+    128 and ~2k-token contexts the steps took 9-13 ms more than the profile at k = 3, 4 and 5,
     which moved the best k from 4 (profile) to 5 (2026-11-27, docs/benchmarks.md section 11).
     Never below 0: a period cannot beat the device, so a negative sample is noise."""
 
