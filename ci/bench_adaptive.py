@@ -183,12 +183,14 @@ class Rotation(DraftLengthPolicy):
 def window(engine, settle: int, steps: int) -> dict:
     """`settle` untimed steps (the pipeline and a policy's two-step lag turn over to this window's
     mode), then `steps` timed ones: tokens collected, seconds (to the device's end of the last
-    step), each step's period and k, speculation counts, eager steps and full GCs."""
+    step), each step's period and k, speculation counts, eager steps and full GCs, and the CPU
+    seconds the process spent meanwhile (a wall time far above them: the host was descheduled)."""
     for _ in range(settle):
         engine.step()
     running = engine.scheduler.running
     before, spec0 = sum(s.num_generated for s in running), engine.spec_stats.snapshot()
     watch, times, ks = Watch(engine), [], []
+    cpu0 = time.process_time()
     last = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -199,6 +201,7 @@ def window(engine, settle: int, steps: int) -> dict:
     sync()  # (no sync before: the first timed step follows a settled one)
     times[-1] += time.perf_counter() - last
     return dict(tokens=sum(s.num_generated for s in running) - before, times=times, ks=ks,
+                cpu_seconds=time.process_time() - cpu0,
                 spec=engine.spec_stats.snapshot().minus(spec0), **watch.close())
 
 
@@ -285,6 +288,7 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
                 mean_acceptance_length=spec.mean_acceptance_length if spec.num_drafts else 1.0,
                 round_tokens_per_s=rounds, round_tokens=[w["tokens"] for w in windows],
                 round_median_step_ms=[statistics.median(w["times"]) * 1e3 for w in windows],
+                round_cpu_per_wall=[w["cpu_seconds"] / sum(w["times"]) for w in windows],
                 host_ms_by_k={k: 1e3 * t for k, t in seen.items()},
                 device_offset_ms=1e3 * policy.offset.seconds(num_seqs) if adaptive and hasattr(policy, "offset") else None,
                 eager_steps=sum(w["eager_steps"] for w in windows), gc2=sum(w["gc2"] for w in windows),
@@ -421,8 +425,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=6, help="forced: turns of every mode a point (even: pairs)")
     parser.add_argument("--window", type=int, default=6, help="forced: timed steps of a mode's turn")
     parser.add_argument("--settle", type=int, default=3, help="untimed steps opening every turn")
-    parser.add_argument("--zoo-rounds", type=int, default=6, help="zoo: turns of every mode a point (even: pairs)")
-    parser.add_argument("--zoo-window", type=int, default=20, help="zoo: timed steps of a mode's turn (real acceptance is noisy)")
+    parser.add_argument("--zoo-rounds", type=int, default=8, help="zoo: turns of every mode a point (even: pairs)")
+    parser.add_argument("--zoo-window", type=int, default=16, help="zoo: timed steps of a mode's turn (real acceptance is noisy)")
     parser.add_argument("--policy-b", help="a saved spec_decode/adaptive.py whose AdaptiveDraftLength runs as one more mode")
     parser.add_argument("--policy-b-name", default="b", help="its mode is adaptive-<this>")
     parser.add_argument("--prompt-len", type=int, default=64)
