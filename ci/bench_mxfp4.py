@@ -19,9 +19,10 @@ a decode step (ci/gpu_timing.FLUSH; `--flush zero` times with triton.testing.do_
 leaves dirty lines the call must write back). Medians.
 `--profile` adds per-kernel times of one MoE call (torch.profiler); `--sweep` times alternative
 tile configurations (MoE GEMMs; MLA launch options and the fp8 upcast before the PTX one) of
-the parts run, to tune the defaults; `--parts mla --sweep` runs the MLA part alone.
+the parts run, to tune the defaults; `--parts mla --sweep` runs the MLA part alone, `--parts
+moe-sweep` the MoE tile sweep alone (GEMM 2 programs walking several N tiles among its variants).
 
-Usage: python ci/bench_mxfp4.py [--out DIR] [--quick] [--parts moe,linear,mla] [--profile] [--sweep]
+Usage: python ci/bench_mxfp4.py [--out DIR] [--quick] [--parts moe,linear,mla,moe-sweep] [--profile] [--sweep]
 Writes bench_mxfp4.json and bench_mxfp4.md to DIR (default $OUT or ./bench_out) and prints a
 short table last. Exit 1 if a correctness check fails.
 """
@@ -203,13 +204,22 @@ def profile_moe(shape: tuple, tokens_list=(1, 32, 512)) -> list[dict]:
 
 
 def sweep_moe(shapes: dict) -> list[dict]:
-    """Whole-call time for alternative tiles of one GEMM (the other at its default)."""
+    """Whole-call W4A4 time for alternative tiles of one GEMM (the other at its default). GEMM 1
+    variants at the points of the original sweep; GEMM 2 variants, with programs walking several
+    N tiles (MoeConfig.down_n_tiles) among them, also at T = 256 / 512, the grouped path's range.
+    Each variant's output is checked against the default config's (rel err <= REL_TOL)."""
     gate_up_variants = [
         dict(block_n=64, block_k=128), dict(block_n=32, block_k=128), dict(block_n=64, block_k=64),
         dict(block_n=128, block_k=64), dict(block_n=128, block_k=64, num_warps=8),
     ]
-    down_variants = [dict(block_n=128, block_k=128), dict(block_n=64, block_k=64), dict(block_n=32, block_k=128)]
-    points = {"Kimi TP8 E384 H7168 I256": (1, 32, 512), "Kimi full E384 H7168 I2048": (32,)}
+    # (GEMM 2 tile fields, N tiles a program walks); the walks only in the grouped path's range
+    down_variants = [(dict(block_n=128, block_k=128), 1), (dict(block_n=64, block_k=64), 1),
+                     (dict(block_n=32, block_k=128), 1)]
+    down_walks = [(dict(block_n=64, block_k=128), n) for n in (2, 4, 8, 16, 28)]
+    down_walks += [(dict(block_n=64, block_k=256), 8), (dict(block_n=128, block_k=128), 4),
+                   (dict(block_n=32, block_k=128), 16)]
+    gate_up_points = {"Kimi TP8 E384 H7168 I256": (1, 32, 512), "Kimi full E384 H7168 I2048": (32,)}
+    points = {"Kimi TP8 E384 H7168 I256": (1, 32, 256, 512), "Kimi full E384 H7168 I2048": (32, 256, 512)}
     rows = []
     for name, shape in shapes.items():
         if name not in points:
@@ -224,21 +234,24 @@ def sweep_moe(shapes: dict) -> list[dict]:
                                   torch.device(DEVICE))
             splits = sorted({1, 2, 4, 8, 16, base.gate_up.split_k})
             configs = [("default", base)]
-            for v in gate_up_variants:
+            for v in gate_up_variants if tokens in gate_up_points[name] else ():
                 for split in splits if v == gate_up_variants[0] and tokens == 1 else (base.gate_up.split_k,):
                     cfg = GemmConfig(base.gate_up.block_m, split_k=split, **{"num_warps": 4, "num_stages": 3, **v})
                     configs.append((f"gate_up {cfg}", MoeConfig(cfg, base.down)))
-            for v in down_variants:
+            for v, n_tiles in down_variants + (down_walks if tokens >= 256 else []):
                 cfg = GemmConfig(base.down.block_m, **{"num_warps": 4, "num_stages": 3, **v})
-                configs.append((f"down {cfg}", MoeConfig(base.gate_up, cfg)))
+                configs.append((f"down {cfg} n_tiles={n_tiles}", MoeConfig(base.gate_up, cfg, down_n_tiles=n_tiles)))
+            expected = weights_.run(x, topk_weights, ids, True, config=base)
             for label, cfg in configs:
                 try:
                     us = time_graph(lambda: weights_.run(x, topk_weights, ids, True, config=cfg, out=out)) * 1e3
+                    err = rel_error(weights_.run(x, topk_weights, ids, True, config=cfg), expected)
                 except Exception as exc:  # a config the compiler rejects (resources): report, go on
-                    us, label = float("nan"), f"{label} FAILED {type(exc).__name__}"
-                rows.append({"shape": name, "tokens": tokens, "config": label, "us": us})
-            best = min((r for r in rows if r["shape"] == name and r["tokens"] == tokens), key=lambda r: r["us"])
-            print(f"  sweep {name} T={tokens}: default {rows[-len(configs)]['us']:.1f} us, best {best['us']:.1f} us "
+                    us, err, label = float("nan"), None, f"{label} FAILED {type(exc).__name__}"
+                rows.append({"shape": name, "tokens": tokens, "config": label, "us": us, "rel_err_vs_default": err})
+            mine = [r for r in rows if r["shape"] == name and r["tokens"] == tokens]
+            best = min(mine, key=lambda r: r["us"])
+            print(f"  sweep {name} T={tokens}: default {mine[0]['us']:.1f} us, best {best['us']:.1f} us "
                   f"({best['config']})", flush=True)
         del weights_
         torch.cuda.empty_cache()
@@ -431,9 +444,12 @@ def to_markdown(results: dict) -> str:
         for r in results["profile"]:
             lines.append(f"| {r['tokens']} | {r['kernel']} | {r['us']:.1f} | {r['calls_per_moe']:.0f} |")
     if results.get("sweep_moe"):
-        lines += ["", "## Sweep: MoE tiles (W4A4 whole-call µs)", "", "| shape | T | config | µs |", "|---|---:|---|---:|"]
+        lines += ["", "## Sweep: MoE tiles (W4A4 whole-call µs)", "",
+                  "| shape | T | config | µs | vs default | rel err vs default |", "|---|---:|---|---:|---:|---|"]
+        default_us = {(r["shape"], r["tokens"]): r["us"] for r in results["sweep_moe"] if r["config"] == "default"}
         for r in results["sweep_moe"]:
-            lines.append(f"| {r['shape']} | {r['tokens']} | {r['config']} | {r['us']:.1f} |")
+            lines.append(f"| {r['shape']} | {r['tokens']} | {r['config']} | {r['us']:.1f} | "
+                         f"{r['us'] / default_us[r['shape'], r['tokens']]:.3f} | {_fmt(r.get('rel_err_vs_default'), '.1e')} |")
     if results.get("sweep_mla"):
         lines += ["", "## Sweep: fp8 MLA upcast and launch options (tile, warps, stages) at 32k", "",
                   "| upcast, option | batch | µs | % copy | rel err |", "|---|---:|---:|---:|---:|"]
@@ -459,6 +475,10 @@ def summarize(results: dict) -> tuple[list[str], list[str]]:
     for r in results.get("mla", []):
         if r["rel_err"] is not None and not r["rel_err"] <= REL_TOL:
             failures.append(f"MLA {r['kv']} batch {r['batch']} ctx {r['context']} rel err {r['rel_err']:.2e}")
+    for r in results.get("sweep_moe", []):
+        if r.get("rel_err_vs_default") is not None and not r["rel_err_vs_default"] <= REL_TOL:
+            failures.append(f"MoE sweep {r['shape']} T={r['tokens']} {r['config']} rel err vs default "
+                            f"{r['rel_err_vs_default']:.2e}")
     for r in results.get("sweep_mla", []):
         if r.get("rel_err") is not None and not r["rel_err"] <= REL_TOL:
             failures.append(f"MLA sweep {r['option']} batch {r['batch']} rel err {r['rel_err']:.2e}")
@@ -503,7 +523,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     parser.add_argument("--quick", action="store_true", help="a few configurations only (smoke run)")
-    parser.add_argument("--parts", default="moe,linear,mla", help="comma list of moe, linear, mla")
+    parser.add_argument("--parts", default="moe,linear,mla",
+                        help="comma list of moe, linear, mla, moe-sweep (the MoE tile sweep alone)")
     parser.add_argument("--profile", action="store_true", help="per-kernel times of one MoE call")
     parser.add_argument("--sweep", action="store_true", help="time alternative tiles / launch options")
     parser.add_argument("--flush", choices=("zero", "read"), default="read",
@@ -540,7 +561,7 @@ def main() -> int:
     if args.profile:
         results["profile"] = profile_moe(MOE_SHAPES["Kimi TP8 E384 H7168 I256"])
         save()
-    if args.sweep and "moe" in parts:
+    if (args.sweep and "moe" in parts) or "moe-sweep" in parts:
         results["sweep_moe"] = sweep_moe(MOE_SHAPES)
         save()
     if args.sweep and "mla" in parts:

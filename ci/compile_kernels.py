@@ -9,7 +9,8 @@ register spill or scratch use, or shared memory above the target's per-block lim
 AMD targets need only triton (its LLVM and linker are bundled). NVIDIA needs ptxas
 (TRITON_PTXAS_PATH, ptxas on PATH, or the one in triton's wheel); without it sm_90 is skipped.
 `--sass` also prints, per sm_90 variant, the instructions of the kernel's main loop (the longest
-backward branch in nvdisasm's listing) by opcode: what a loop costs a warp per iteration.
+backward branch in nvdisasm's listing) by opcode: what a loop costs a warp per iteration; and the
+instructions before and after that loop (a program's setup and epilogue).
 Usage: python ci/compile_kernels.py [--targets sm90,gfx942,gfx950] [--quick] [--cases SUBSTRING] [--sass]
 Must run without TRITON_INTERPRET (interpreted kernels cannot be compiled).
 Uses Triton 3.6 internals (the JIT binder) to derive signatures the way a launch would.
@@ -142,8 +143,10 @@ def _mxfp4_linear(m, n, k, quantize, split=None):
                                   quantize_activations=quantize, config=config)
 
 
-def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, decode=False, expert_gemv=False):
-    """decode: True for DecodeConfig(), or a DecodeConfig."""
+def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, decode=False, expert_gemv=False,
+               down_n_tiles=None, down_block_k=None):
+    """decode: True for DecodeConfig(), or a DecodeConfig; down_n_tiles / down_block_k: the grouped
+    path's default tiles with GEMM 2 programs walking that many N tiles / with that K tile."""
     config = (decode if isinstance(decode, mxfp4_moe_decode_mod.DecodeConfig)
               else mxfp4_moe_decode_mod.DecodeConfig() if decode else None)
     if expert_gemv:  # the launch shape default_config picks at this token count
@@ -151,6 +154,10 @@ def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, deco
     if split is not None:  # the default tiles with a forced GEMM 1 split
         config = mxfp4_moe_mod.default_config(tokens, top_k, experts, hidden, inter, torch.device("meta"))
         config = dataclasses.replace(config, gate_up=dataclasses.replace(config.gate_up, split_k=split))
+    if down_n_tiles is not None:
+        config = mxfp4_moe_mod.default_config(tokens, top_k, experts, hidden, inter, torch.device("meta"))
+        down = dataclasses.replace(config.down, block_k=down_block_k or config.down.block_k)
+        config = dataclasses.replace(config, down=down, down_n_tiles=down_n_tiles)
     u8 = torch.uint8
     mxfp4_moe_mod.fused_moe_mxfp4(
         _t(tokens, hidden), _t(experts, 2 * inter, hidden // 2, dtype=u8), _t(experts, 2 * inter, hidden // 32, dtype=u8),
@@ -199,6 +206,11 @@ CASES: dict[str, Callable[[str], None]] = {
     "MXFP4 MoE Kimi TP8 T32 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 32, True),
     "MXFP4 MoE Kimi TP8 T512 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 512, False),
     "MXFP4 MoE Kimi TP8 T256 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 256, True),  # grouped, x QDQ'd once
+    # GEMM 2 programs walking 8 N tiles (MoeConfig.down_n_tiles), K tiles of 128 (2 a tile) and 256 (1)
+    "MXFP4 MoE Kimi TP8 T512 w4a4 down 8 N tiles": lambda _: _mxfp4_moe(384, 8, 7168, 256, 512, True, down_n_tiles=8),
+    # NVIDIA only (a sweep variant of ci/bench_mxfp4.py): 10 bytes spilled on gfx942
+    "MXFP4 MoE Kimi TP8 T512 w4a4 down 8 N tiles K256": lambda target: target == "sm90" and _mxfp4_moe(
+        384, 8, 7168, 256, 512, True, down_n_tiles=8, down_block_k=256),
     "MXFP4 MoE Kimi E384 I2048 T16 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 2048, 16, True),
     "MXFP4 MoE decode Kimi TP8 T1 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, False, decode=True),
     "MXFP4 MoE decode Kimi TP8 T1 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, True, decode=True),
@@ -294,6 +306,7 @@ class Report:
     shared: int
     error: str | None = None
     loop_sass: collections.Counter | None = None  # sm_90 main-loop opcodes, with --sass
+    outside_loop: tuple[int, int] = (0, 0)  # sm_90 instructions before / after the main loop, with --sass
 
 
 def _nvidia_usage(ptx: str) -> tuple[int, int]:
@@ -308,22 +321,29 @@ def _nvidia_usage(ptx: str) -> tuple[int, int]:
     return registers, spills
 
 
-def loop_sass(cubin: bytes) -> collections.Counter:
+def loop_sass(cubin: bytes) -> tuple[collections.Counter, tuple[int, int]]:
     """Opcodes (predicates dropped) of the longest loop in a cubin: the body between a label and
-    the last branch back to it, from triton's nvdisasm."""
+    the last branch back to it, from triton's nvdisasm; and the instructions before and after it
+    (a program's setup and epilogue, side paths included: an upper bound of what one runs)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         listing = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", f.name],
                                  capture_output=True, text=True, check=True).stdout.splitlines()
     labels = {m.group(1): i for i, line in enumerate(listing) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    is_instruction = [bool(re.search(r"/\*[0-9a-f]{4}\*/", line)) for line in listing]
     body: list[str] = []
+    span = (0, -1)
     for i, line in enumerate(listing):
         target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if target and labels.get(target.group(1), i) < i:
-            candidate = [x for x in listing[labels[target.group(1)]:i + 1] if re.search(r"/\*[0-9a-f]{4}\*/", x)]
-            body = max(body, candidate, key=len)
-    return collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", x).group(1) for x in body)
+            candidate = [x for x, ok in zip(listing[labels[target.group(1)]:i + 1], is_instruction[labels[target.group(1)]:i + 1]) if ok]
+            if len(candidate) > len(body):
+                body, span = candidate, (labels[target.group(1)], i)
+    # the listing ends with the `BRA` to itself after the last EXIT: not part of any program's path
+    end = max(i for i, line in enumerate(listing) if "EXIT" in line) + 1 if body else span[1] + 1
+    outside = (sum(is_instruction[:span[0]]), sum(is_instruction[span[1] + 1:end]))
+    return collections.Counter(re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", x).group(1) for x in body), outside
 
 
 def _amd_usage(amdgcn: str) -> tuple[int, int]:
@@ -362,7 +382,7 @@ class _CompileInsteadOfLaunch:
             usage = _amd_usage(compiled.asm["amdgcn"]) if target.is_hip else _nvidia_usage(compiled.asm["ptx"])
             report.registers, report.spilled_bytes = usage
             if self.sass and not target.is_hip:
-                report.loop_sass = loop_sass(compiled.asm["cubin"])
+                report.loop_sass, report.outside_loop = loop_sass(compiled.asm["cubin"])
         except Exception as exc:  # report every failure, keep compiling the rest
             report.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
         self.reports.append(report)
@@ -429,7 +449,8 @@ def main() -> int:
     for r in reports:
         if r.loop_sass:
             opcodes = ", ".join(f"{op} {n}" for op, n in r.loop_sass.most_common())
-            print(f"loop SASS | {r.case} | {r.kernel} | {sum(r.loop_sass.values())} | {opcodes} |")
+            print(f"loop SASS | {r.case} | {r.kernel} | {sum(r.loop_sass.values())} | {opcodes} | "
+                  f"before / after the loop {r.outside_loop[0]} / {r.outside_loop[1]} |")
     failed = failures(reports)
     for line in failed:
         print("FAIL", line)

@@ -24,6 +24,10 @@ used length, then the sum over a token's K rows. The MXFP4 parts (see `_mxfp4`):
   Kimi TP8 rank) against a long K (7168): its tiles alone cannot fill the GPU, so K is split
   over SPLIT_K programs writing fp32 partials and `_gate_up_splits_kernel` sums them in a fixed
   order before the same epilogue (deterministic). GEMM 2 has N = H columns: never split.
+- GEMM 2's programs can walk several consecutive N tiles (`MoeConfig.down_n_tiles`, default 1):
+  with K = I = 256 a one-tile program has 2 K steps, so its setup and pipeline fill are paid per
+  64 columns; a walking program pays them once (unmeasured on a GPU: ci/bench_mxfp4.py
+  --parts moe-sweep times it beside the default);
 - the K partial outputs of a token are written in x's dtype and summed in fp32 (torch.sum),
   as `fused_moe` does: exact in fp32; in bf16 each partial is rounded once before the sum.
 """
@@ -109,10 +113,13 @@ def _path(num_tokens: int, inter: int, quantize_activations: bool) -> str:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Launch configuration of both grouped GEMMs (block_m is shared: one routing alignment)."""
+    """Launch configuration of both grouped GEMMs (block_m is shared: one routing alignment).
+    down_n_tiles: consecutive N tiles each GEMM-2 program walks (1: one tile a program, the
+    default; > 1 amortizes the program's setup and pipeline fill over tiles of a short K)."""
 
     gate_up: GemmConfig
     down: GemmConfig
+    down_n_tiles: int = 1
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
@@ -142,6 +149,40 @@ def _gate_up_epilogue(gate, up, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, COLS
     return h
 
 
+@triton.jit
+def _k_step(acc, acc_up, a_rows, pair_valid, w_rows, s_rows, n_valid, k0, N, K, stride_wn, stride_sn,
+            GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr):
+    """One K tile of a program's (gate and up, or down) accumulators."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a = load_activation(
+        a_rows + k0 + offs_k[None, :], pair_valid[:, None] & (k0 + offs_k < K)[None, :],
+        False, BLOCK_M, BLOCK_K, DOT_DTYPE,
+    )
+    acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
+                    BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+    if GATE_UP:
+        acc_up = mxfp4_dot(acc_up, a, w_rows + N * stride_wn, s_rows + N * stride_sn, n_valid, k0, K,
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+    return acc, acc_up
+
+
+@triton.jit
+def _store_tile(c_ptr, acc, acc_up, routed, pair, pair_valid, offs_n, n_valid, stride_cm,
+                GATE_UP: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, QUANTIZE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The unsplit epilogue of one (M block, N tile): silu(gate) * up, or times the routed weights
+    `routed` [BLOCK_M], stored."""
+    if GATE_UP:
+        out = _gate_up_epilogue(acc, acc_up, QUANTIZE, BLOCK_M, BLOCK_N, c_ptr.dtype.element_ty)
+    else:
+        out = acc
+    if MUL_ROUTED_WEIGHT:
+        out = out * routed[:, None]
+    tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty),
+             mask=pair_valid[:, None] & n_valid[None, :])
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _mxfp4_moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, c_ptr, part_ptr, topk_weights_ptr,
@@ -154,6 +195,8 @@ def _mxfp4_moe_gemm_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     QUANTIZE: tl.constexpr,  # QDQ h in the GATE_UP epilogue (the activation, x or h, is read QDQ'd)
     SPLIT_K: tl.constexpr,  # > 1: write fp32 partials [SPLIT_K, num_pairs, 2N] (GATE_UP only)
+    N_TILES: tl.constexpr,  # N tiles a program owns (consecutive); > 1: one loop over (tile, K step)
+    K_TILES: tl.constexpr,  # cdiv(K, BLOCK_K), for N_TILES > 1 (a constant divisor: shifts, no division)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
 ):
@@ -165,41 +208,60 @@ def _mxfp4_moe_gemm_kernel(
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pair_valid = pair < num_pairs
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + (pair // A_ROWS_PER_PAIR_DIV)[:, None] * stride_am
-    w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
-    s_rows = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    w_expert = w_ptr + expert * stride_we
+    s_expert = s_ptr + expert * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    first, last = split_k_range(K, split, BLOCK_K, SPLIT_K)
-    for tile in range(first, last):
-        k0 = tile * BLOCK_K
-        a = load_activation(
-            a_rows + k0 + offs_k[None, :], pair_valid[:, None] & (k0 + offs_k < K)[None, :],
-            False, BLOCK_M, BLOCK_K, DOT_DTYPE,
-        )
-        acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
-                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
-        if GATE_UP:
-            acc_up = mxfp4_dot(acc_up, a, w_rows + N * stride_wn, s_rows + N * stride_sn, n_valid, k0, K,
-                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
-
-    mask = pair_valid[:, None] & n_valid[None, :]
-    if SPLIT_K > 1:
-        part = part_ptr + (split * num_pairs + pair)[:, None] * (2 * N) + offs_n[None, :]
-        tl.store(part, acc, mask=mask)
-        tl.store(part + N, acc_up, mask=mask)
+    if MUL_ROUTED_WEIGHT:  # one load for every N tile of the program
+        routed = tl.load(topk_weights_ptr + pair, mask=pair_valid, other=0.0)
     else:
-        if GATE_UP:
-            out = _gate_up_epilogue(acc, acc_up, QUANTIZE, BLOCK_M, BLOCK_N, c_ptr.dtype.element_ty)
+        routed = tl.full([BLOCK_M], 1.0, tl.float32)
+
+    if N_TILES == 1:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < N
+        w_rows = w_expert + offs_n.to(tl.int64) * stride_wn
+        s_rows = s_expert + offs_n.to(tl.int64) * stride_sn
+        first, last = split_k_range(K, split, BLOCK_K, SPLIT_K)
+        for tile in range(first, last):
+            acc, acc_up = _k_step(acc, acc_up, a_rows, pair_valid, w_rows, s_rows, n_valid, tile * BLOCK_K, N, K,
+                                  stride_wn, stride_sn, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+        if SPLIT_K > 1:
+            part = part_ptr + (split * num_pairs + pair)[:, None] * (2 * N) + offs_n[None, :]
+            mask = pair_valid[:, None] & n_valid[None, :]
+            tl.store(part, acc, mask=mask)
+            tl.store(part + N, acc_up, mask=mask)
         else:
-            out = acc
-        if MUL_ROUTED_WEIGHT:
-            out = out * tl.load(topk_weights_ptr + pair, mask=pair_valid, other=0.0)[:, None]
-        tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty), mask=mask)
+            _store_tile(c_ptr, acc, acc_up, routed, pair, pair_valid, offs_n, n_valid, stride_cm,
+                        GATE_UP, MUL_ROUTED_WEIGHT, QUANTIZE, BLOCK_M, BLOCK_N)
+    else:
+        # GEMM 2 has K = I (256 on a Kimi TP8 rank): 2 K steps per N tile. A program that walks
+        # N_TILES tiles in one flattened (tile, K step) loop pays the pair ids, expert, pointers
+        # and routed weights once and keeps the pipeline full across tiles (the next tile's loads
+        # issue during this tile's decode); its activation rows are re-read (L2) every tile.
+        # The tile and K step come from the flat index and the constexpr K_TILES: Triton 3.6
+        # pipelines this loop with 3 stages (sm_90 SASS); with the indices carried through the
+        # store's if-branch it pipelined nothing, and as a nested tl.range(flatten=True) loop only
+        # the activation loads (the weights then waited on plain loads).
+        tl.static_assert(SPLIT_K == 1, "a program that walks N tiles is never split along K")
+        first_tile = pid_n * N_TILES
+        tiles = tl.minimum(N_TILES, tl.cdiv(N, BLOCK_N) - first_tile)
+        for step in range(tiles * K_TILES):
+            k_tile = step % K_TILES
+            offs_n = (first_tile + step // K_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < N
+            w_rows = w_expert + offs_n.to(tl.int64) * stride_wn
+            s_rows = s_expert + offs_n.to(tl.int64) * stride_sn
+            acc, acc_up = _k_step(acc, acc_up, a_rows, pair_valid, w_rows, s_rows, n_valid, k_tile * BLOCK_K, N, K,
+                                  stride_wn, stride_sn, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+            if k_tile == K_TILES - 1:
+                _store_tile(c_ptr, acc, acc_up, routed, pair, pair_valid, offs_n, n_valid, stride_cm,
+                            GATE_UP, MUL_ROUTED_WEIGHT, QUANTIZE, BLOCK_M, BLOCK_N)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
 
 @triton.jit
@@ -244,7 +306,7 @@ def _gate_up_splits_kernel(
 def _launch_gemm(
     a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
     routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int, a_rows_per_pair_div: int,
-    gate_up: bool, quantize: bool, cfg: GemmConfig,
+    gate_up: bool, quantize: bool, cfg: GemmConfig, n_tiles: int = 1,
 ) -> None:
     sorted_ids, expert_ids, num_padded = routing
     num_pairs = c.shape[0]
@@ -252,14 +314,15 @@ def _launch_gemm(
     part = c
     if cfg.split_k > 1:
         part = torch.empty(cfg.split_k, num_pairs, 2 * n, dtype=torch.float32, device=c.device)
-    grid = (expert_ids.shape[0], triton.cdiv(n, cfg.block_n), cfg.split_k)
+    grid = (expert_ids.shape[0], triton.cdiv(triton.cdiv(n, cfg.block_n), n_tiles), cfg.split_k)
     _mxfp4_moe_gemm_kernel[grid](
         a, w, s, c, part, topk_weights,
         sorted_ids, expert_ids, num_padded,
         num_pairs, n, k,
         a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), c.stride(0),
         A_ROWS_PER_PAIR_DIV=a_rows_per_pair_div, GATE_UP=gate_up, MUL_ROUTED_WEIGHT=not gate_up,
-        QUANTIZE=quantize, SPLIT_K=cfg.split_k,
+        QUANTIZE=quantize, SPLIT_K=cfg.split_k, N_TILES=n_tiles,
+        K_TILES=triton.cdiv(k, cfg.block_k) if n_tiles > 1 else 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(a.dtype), DOT_PRECISION=dot_precision(a.dtype), PTX_DECODE=ptx_decode(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -350,12 +413,15 @@ def fused_moe_mxfp4(
         raise ValueError(f"config: the gate/up N tile must be a multiple of {MX_BLOCK} (h is QDQ'd per tile)")
     if cfg.down.split_k != 1:
         raise ValueError("config: the down GEMM is never split along K (it has H output columns)")
+    if cfg.down_n_tiles < 1:
+        raise ValueError(f"config: down_n_tiles must be >= 1, got {cfg.down_n_tiles}")
     num_pairs = num_tokens * top_k
     routing = moe_align_block_size(topk_ids, num_experts, cfg.gate_up.block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     a = qdq_rows(x) if quantize_activations else x
     _launch_gemm(a, w13, w13_scale, h, topk_weights, routing, inter, top_k, True, quantize_activations, cfg.gate_up)
     partial = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _launch_gemm(h, w2, w2_scale, partial, topk_weights, routing, hidden, 1, False, False, cfg.down)  # h is QDQ'd
+    _launch_gemm(h, w2, w2_scale, partial, topk_weights, routing, hidden, 1, False, False, cfg.down,  # h is QDQ'd
+                 cfg.down_n_tiles)
     torch.sum(partial.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out

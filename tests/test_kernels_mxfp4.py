@@ -227,6 +227,23 @@ def test_moe_split_k_and_tiles(quantize):
     _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
 
 
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+@pytest.mark.parametrize("n_tiles", [2, 4], ids=lambda n: f"{n}_tiles")
+def test_moe_down_programs_walk_n_tiles(n_tiles, quantize):
+    """GEMM 2 programs that walk several N tiles (MoeConfig.down_n_tiles): H = 160 is 3 tiles of 64
+    with the last half masked, so with 2 tiles a program the second program walks one tile and
+    with 4 one program walks all three; I = 96 over K tiles of 64 gives two K steps a tile, the
+    second half masked. Experts 1 and 5 get no tokens; equal to the one-tile-a-program launch."""
+    g = torch.Generator().manual_seed(40 + n_tiles)
+    hidden = 160
+    x, w13, s13, w2, s2, weights, ids = _moe_case(7, 3, g, hidden=hidden)
+    base = MoeConfig(gate_up=GemmConfig(16, 64, 64), down=GemmConfig(16, 64, 64))
+    config = dataclasses.replace(base, down_n_tiles=n_tiles)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, out=nan_like(x), config=config)
+    _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
+    _close(out, fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, config=base))
+
+
 @pytest.mark.parametrize("path", ["grouped", "decode"])
 def test_moe_e8m0_bytes_0_and_254(path):
     g = torch.Generator().manual_seed(12)

@@ -116,6 +116,29 @@ def test_e8m0_bytes_0_and_254_compiled():
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+@pytest.mark.parametrize(("shape", "num_tokens", "down", "n_tiles"), [
+    ("kimi_tp8", 300, dict(), 8),  # 112 N tiles: 14 programs an M block
+    ("kimi_tp8", 300, dict(block_k=256), 16),  # one K step a tile
+    ("kimi_tp8", 512, dict(block_n=128), 4),
+    ("kimi_full_width_e32", 256, dict(), 28),  # K = 2048: 16 K steps a tile
+], ids=["tp8_8_tiles", "tp8_16_tiles_k256", "tp8_4_tiles_n128", "full_28_tiles"])
+def test_moe_down_programs_walking_n_tiles(shape, num_tokens, down, n_tiles, quantize):
+    """GEMM 2 programs that walk several N tiles (MoeConfig.down_n_tiles, the bench sweep's
+    variants): against the fp32 reference, and against one-tile programs with the same tiles
+    (the same sums in the same order: equal up to a far tighter tolerance)."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=9)
+    base = moe_default_config(num_tokens, 8, w13.shape[0], 7168, w13.shape[1] // 2, x.device)
+    down = dataclasses.replace(base.down, **down)
+    walk = dataclasses.replace(base, down=down, down_n_tiles=n_tiles)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, out=torch.full_like(x, float("nan")),
+                          config=walk)
+    assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
+    one_tile = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize,
+                               config=dataclasses.replace(base, down=down))
+    assert_rel_close(out, one_tile, tol=1e-5)
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 8])
 def test_moe_decode_path_matches_grouped_path(num_tokens, quantize):
     """Both paths forced at the same Kimi TP8 inputs (bf16): the same values up to rounding."""
