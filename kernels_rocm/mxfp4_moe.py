@@ -24,10 +24,9 @@ used length, then the sum over a token's K rows. The MXFP4 parts (see `_mxfp4`):
   Kimi TP8 rank) against a long K (7168): its tiles alone cannot fill the GPU, so K is split
   over SPLIT_K programs writing fp32 partials and `_gate_up_splits_kernel` sums them in a fixed
   order before the same epilogue (deterministic). GEMM 2 has N = H columns: never split.
-- GEMM 2's programs can walk several consecutive N tiles (`MoeConfig.down_n_tiles`, default 1):
-  with K = I = 256 a one-tile program has 2 K steps, so its setup and pipeline fill are paid per
-  64 columns; a walking program pays them once (unmeasured on a GPU: ci/bench_mxfp4.py
-  --parts moe-sweep times it beside the default);
+- GEMM 2's programs can walk several consecutive N tiles (`MoeConfig.down_n_tiles`): with
+  K = I = 256 a one-tile program has 2 K steps, so its setup and pipeline fill are paid per tile;
+  a walking program pays them once (NVIDIA default at decode-sized M blocks: `default_config`);
 - the K partial outputs of a token are written in x's dtype and summed in fp32 (torch.sum),
   as `fused_moe` does: exact in fp32; in bf16 each partial is rounded once before the sum.
 """
@@ -125,8 +124,11 @@ class MoeConfig:
 def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                    device: torch.device) -> MoeConfig:
     """64 gate + 64 up rows per GEMM 1 program (each activation tile is loaded and QDQ'd for more
-    weight rows: 2-15% faster than 32 in the H100 sweeps of ci/bench_mxfp4.py), 64 output columns
-    per GEMM 2 program, K tiles of 128; GEMM 1 split along K while the grid is small."""
+    weight rows: 2-15% faster than 32 in the H100 sweeps of ci/bench_mxfp4.py), K tiles of 128;
+    GEMM 1 split along K while the grid is small. GEMM 2: on NVIDIA with 16-row M blocks, programs
+    of 4 N tiles of 128 columns (H100 sweep: 12% faster at Kimi TP8 T = 256 / 512, whose K = 256
+    is two tiles, so setup and pipeline fill dominated a one-tile program; 0.6-2% at full width);
+    elsewhere, and on AMD where it was never measured, one tile of 64 columns a program."""
     num_pairs = num_tokens * top_k
     block_m = choose_block_m(num_pairs, num_experts)
     stages = 2 if IS_HIP else 3
@@ -134,10 +136,10 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
     m_blocks = min(triton.cdiv(num_pairs, block_m) + num_experts, num_pairs)
     gate_up_tiles = m_blocks * triton.cdiv(inter, 64)
     split = choose_split_k(gate_up_tiles, hidden, 128, device)
-    return MoeConfig(
-        gate_up=GemmConfig(block_m, 64, 128, split, num_warps=4, num_stages=stages),
-        down=GemmConfig(block_m, 64, 128, 1, num_warps=4, num_stages=stages),
-    )
+    gate_up = GemmConfig(block_m, 64, 128, split, num_warps=4, num_stages=stages)
+    if block_m == 16 and not IS_HIP:
+        return MoeConfig(gate_up, GemmConfig(block_m, 128, 128, 1, num_warps=4, num_stages=stages), down_n_tiles=4)
+    return MoeConfig(gate_up, GemmConfig(block_m, 64, 128, 1, num_warps=4, num_stages=stages))
 
 
 @triton.jit

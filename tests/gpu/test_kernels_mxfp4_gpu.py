@@ -128,7 +128,7 @@ def test_moe_down_programs_walking_n_tiles(shape, num_tokens, down, n_tiles, qua
     (the same sums in the same order: equal up to a far tighter tolerance)."""
     x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens, seed=9)
     base = moe_default_config(num_tokens, 8, w13.shape[0], 7168, w13.shape[1] // 2, x.device)
-    down = dataclasses.replace(base.down, **down)
+    down = dataclasses.replace(base.down, **{"block_n": 64, **down})  # the ids' tiles, whatever the default
     walk = dataclasses.replace(base, down=down, down_n_tiles=n_tiles)
     out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, out=torch.full_like(x, float("nan")),
                           config=walk)
