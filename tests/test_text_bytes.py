@@ -136,3 +136,23 @@ def test_server_streams_whole_characters(bigram, client, stop):
     assert "".join(chunks) == want
     whole = client.completions.create(model=model, prompt=ids[:1], max_tokens=40, temperature=0, stop=stop)
     assert whole.choices[0].text == want
+
+
+def test_a_run_of_skipped_special_tokens_keeps_the_window_short():
+    """An ignore_eos request that repeats EOS: the text is what decoding everything at once gives,
+    and the window each token decodes stays a few tokens long (it grew by one a skipped token)."""
+    from transformers import AutoTokenizer
+
+    from atom_like.engine.detokenizer import IncrementalDetokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(resolve("tiny-kimi")))
+    script = tok(SCRIPT, add_special_tokens=False).input_ids
+    eos = tok.eos_token_id
+    generated = script[:4] + [eos] * 500 + script[4:] + [eos] * 500 + script
+    detok = IncrementalDetokenizer(tok, [], [])
+    widest = 0
+    for t in generated:
+        detok.add(t)
+        widest = max(widest, len(detok.ids) - detok.prefix_offset)
+    assert detok.text == tok.decode(generated, skip_special_tokens=True)
+    assert widest <= 8, widest

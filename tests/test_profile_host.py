@@ -1,0 +1,20 @@
+"""ci/profile_host.py runs end to end on the zoo's tiny-kimi pair (a few seconds on a CPU)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))
+
+import profile_host  # noqa: E402
+
+
+def test_profile_host_smoke(tmp_path):
+    out = tmp_path / "rows.json"
+    rows = profile_host.main(["--batch", "4", "--ks", "0,2", "--temperatures", "0,1", "--warm", "1", "--steps", "2",
+                              "--profile-steps", "1", "--top", "3", "--out", str(out)])
+    assert [(r["k"], r["temperature"]) for r in rows] == [(0, 0.0), (2, 0.0), (0, 1.0), (2, 1.0)]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["model_ms"] > 0 and r["host_ms"] > 0 and r["functions"] and r["builtins"]
+    assert json.loads(out.read_text()) == rows
