@@ -70,3 +70,19 @@ def test_rotation_numbers_each_policy_by_its_own_steps():
     # engine steps 2 (a), 5 (b) arrive in the other's turn and still go to their chooser; step -1 is nobody's
     assert [s for s, _, _ in a.seen] == [0, 1, 2, 3, 4] and [s for s, _, _ in b.seen] == [0, 1, 2]
     assert len(a.steps) == 2 and len(b.steps) == 1  # 3 steps a turn, the first 2 of each skipped
+
+
+def test_zoo_part_runs_small_batches_as_several_batches(tmp_path, monkeypatch):
+    """The zoo part's path on the shipped tiny-kimi pair (random prompts): below --zoo-min-seqs a
+    point runs that many sequences' worth of batches in turn, each its own turns, pooled."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_adaptive, "resolve_zoo_pair",
+                        lambda: tuple(str(Path(__file__).resolve().parents[1] / "atom_like/zoo/models" / name)
+                                      for name in ("tiny-kimi", "tiny-kimi-eagle3-mla")))
+    monkeypatch.setattr(bench_adaptive, "zoo_prompts", lambda engine, n: bench_adaptive.random_prompts(n, 8, 1000, 0))
+    out = bench_adaptive.main(["--parts", "zoo", "--k", "2", "--batches", "1,2", "--zoo-min-seqs", "2", "--zoo-rounds", "2",
+                               "--zoo-window", "2", "--warm", "2", "--settle", "1", "--adaptive-warm", "2"])
+    turns = {(r["batch"], r["temperature"], r["mode"]): len(r["round_tokens"]) for r in out["zoo"]}
+    assert len(turns) == 2 * 2 * 5  # batches x temperatures x (plain, k = 0..2, adaptive)
+    assert all(n == (4 if batch == 1 else 2) for (batch, _, mode), n in turns.items() if mode != "off")
+    assert all(r["tokens_per_s"] > 0 for r in out["zoo"]) and len(out["zoo_verdicts"]) == 4
