@@ -170,7 +170,7 @@ class Rotation(DraftLengthPolicy):
         self._fresh -= 1
         return self.policies[self.mode].choose(own, num_seqs)
 
-    def observe(self, step: int, drafted: int, accepted: int) -> None:
+    def observe(self, step: int, drafted: list[int], accepted: list[int]) -> None:
         if step in self._chooser:  # (not the prefill's steps)
             mode, own = self._chooser[step]
             self.policies[mode].observe(own, drafted, accepted)

@@ -34,7 +34,7 @@ class Cycle(DraftLengthPolicy):
         return self.chosen[-1]
 
     def observe(self, step, drafted, accepted):
-        self.observed.append((step, drafted, accepted))
+        self.observed += [(step, d, a) for d, a in zip(drafted, accepted)]
 
 
 def generate(engine, prompts=PROMPTS, params=GREEDY):
@@ -184,14 +184,16 @@ def test_metrics_show_k_and_exact_per_position_rates():
 
 def test_tracker_arithmetic():
     t = AcceptanceTracker(3, decay=0.5, prior=0.6, prior_weight=1.0)
-    t.end_step([(3, 1), (2, 2), (1, 0)])  # reached: pos0 3, pos1 2, pos2 0; accepted: pos0 2, pos1 1
-    assert t.reached == [3, 2, 0] and t.accepted == [2, 1, 0]
+    t.end_step([3, 2, 1], [1, 2, 0])  # reached: pos0 3, pos1 2, pos2 0; accepted: pos0 2, pos1 1
+    assert t.reached.tolist() == [3, 2, 0] and t.accepted.tolist() == [2, 1, 0]
     a0 = (2 + 0.6) / 4
     a1 = (1 + a0) / 3
     assert t.rates() == pytest.approx([a0, a1, a1])  # position 2: no evidence, follows position 1
     assert t.expected_accepted() == pytest.approx([0, a0, a0 + a0 * a1, a0 + a0 * a1 + a0 * a1 * a1])
-    t.end_step([])
-    assert t.reached == [1.5, 1.0, 0.0]
+    t.end_step([], [])
+    assert t.reached.tolist() == [1.5, 1.0, 0.0]
+    t.end_step([3, 3, 3, 2], [3, 0, 2, 1])  # all accepted; none; two of three; one of two
+    assert t.reached.tolist() == [0.75 + 4, 0.5 + 3, 0.0 + 2] and t.accepted.tolist() == [0.5 + 3, 0.25 + 2, 0.0 + 1]
 
 
 def forced_run(m, steps=200, num_seqs=8, k=5):
@@ -201,8 +203,7 @@ def forced_run(m, steps=200, num_seqs=8, k=5):
     for step in range(steps):
         chosen.append(policy.choose(step, num_seqs))
         if step and chosen[step - 1]:  # what step - 1 proposed is verified now, and seen a step later
-            for _ in range(num_seqs):
-                policy.observe(step, chosen[step - 1], min(m, chosen[step - 1]))
+            policy.observe(step, [chosen[step - 1]] * num_seqs, [min(m, chosen[step - 1])] * num_seqs)
     return chosen
 
 
@@ -224,10 +225,9 @@ def test_policy_uses_only_steps_two_back():
     """choose(N) sees steps <= N - 2, with or without overlap: step N - 1 may still be in flight."""
     policy = AdaptiveDraftLength(3, StepCosts.fixed([8], 3))
     assert policy.choose(0, 8) == 3  # the prior: speculate
-    for _ in range(8):
-        policy.observe(1, 3, 0)
+    policy.observe(1, [3] * 8, [0] * 8)
     policy.choose(2, 8)
-    assert policy.tracker.reached == [0, 0, 0]  # step 1 not merged at step 2
+    assert policy.tracker.reached.tolist() == [0, 0, 0]  # step 1 not merged at step 2
     assert policy.choose(3, 8) == 0 and policy.tracker.reached[0] == 8
 
 
@@ -251,12 +251,13 @@ def test_step_times_medians_and_the_k_they_have_not_seen():
     assert times.host_times(1, 7)[2] == 1.2
     for t in (1.0, 1.5, 2.3):  # ordinary noise: the median of those within 2x of the fastest (1.0, 1.2, 1.5)
         times.observe(1, 2, t)
-    assert times.host_times(1, 7)[2] == 1.2 and times.host_times(1, 7)[5] == 1.2  # one k seen: flat
+    assert times.host_times(1, 7)[2] == 1.2 and times.host_times(1, 7)[5] == 1.2  # one k seen: flat above it
+    assert times.host_times(1, 7)[:2] == [None, None]  # below the lowest priced k: unknown (device time alone)
     assert times.host_times(8, 7) is None  # another bucket
     for _ in range(3):
         times.observe(1, 4, 2.0)
     assert times.host_times(1, 7)[3] == pytest.approx(1.6)  # between two seen ks
-    assert times.host_times(1, 7)[5] == pytest.approx(2.4) and times.host_times(1, 7)[0] == pytest.approx(0.4)
+    assert times.host_times(1, 7)[5] == pytest.approx(2.4) and times.host_times(1, 7)[0] is None
     for _ in range(3):
         times.observe(1, 0, 3.0)
     assert times.host_times(1, 7)[1] == pytest.approx(2.1)  # from the two nearest: k = 0 and 2
@@ -266,21 +267,45 @@ def test_step_times_medians_and_the_k_they_have_not_seen():
 
 def test_host_bound_steps_are_priced_by_their_host_time():
     """Device times that grow with k, a host that takes longer than any of them: the policy moves
-    from the device-priced k to the longest drafts (they cost no more), then back to the k whose
-    host time, once seen, pays."""
+    from the device-priced k to k = 0 (unpriced: its device time), then to the longest drafts (they
+    cost no more), then back to a k that the host time seen so far says pays."""
     costs = StepCosts([1], [[0.3e-3, 0.4e-3, 0.5e-3, 0.6e-3, 0.7e-3, 0.8e-3]], "measured on d")
     policy = AdaptiveDraftLength(5, costs, AcceptanceTracker(5, prior=0.5, prior_weight=1.0))
     assert policy.choose(0, 1) == 1  # device time alone: a = 0.5 pays for one draft
     for _ in range(3):
         policy.observe_step(1, 1, 1.5e-3, 1.5e-3)
-    assert policy.step_times(1)[4] == 1.5e-3 and policy.choose(1, 1) == 5  # host-bound: every k costs 1.5 ms
+    assert policy.step_times(1)[4] == 1.5e-3 and policy.choose(1, 1) == 0  # k = 0 unpriced: its device time
+    for _ in range(3):
+        policy.observe_step(1, 0, 1.5e-3, 1.5e-3)
+    assert policy.choose(2, 1) == 5  # host-bound: every k costs 1.5 ms
     for _ in range(3):
         policy.observe_step(1, 5, 3.1e-3, 3.1e-3)  # ... until k = 5 turns out to cost the host 0.4 ms a draft
-    assert policy.step_times(1)[3] == pytest.approx(2.3e-3) and policy.choose(2, 1) == 1
+    assert policy.step_times(1)[3] == pytest.approx(2.3e-3)  # from k = 1 and 5
+    # k = 2 from its two nearest, k = 1 and 0, at 1.5 ms (unmeasured, so tried: 1.75 tokens a step there)
+    assert policy.step_times(1)[2] == 1.5e-3 and policy.choose(3, 1) == 2
     fixed = AdaptiveDraftLength(5, StepCosts.fixed([1], 5), AcceptanceTracker(5, prior=0.5, prior_weight=1.0))
     for _ in range(3):
         fixed.observe_step(1, 1, 100.0, 200.0)
     assert fixed.step_times(1)[1] == StepCosts.fixed([1], 5).step_times(1)[1]  # the table's units are not seconds
+
+
+def test_a_k_below_every_priced_one_is_tried():
+    """Batch 32, temperature 1 on an H100 (2026-11-27): k = 1 priced 3.73 ms and k = 3 3.07 ms (noise
+    and drift), acceptance ~0.2 a position. Extrapolated down their slope, k = 0 would cost 4.06 ms and
+    never be run, though it was the best mode (2.27 ms). Unpriced below the lowest priced k, it costs
+    its device time, so the policy runs it, and its price then decides."""
+    costs = StepCosts([32], [[0.8e-3, 0.9e-3, 1.0e-3, 1.1e-3, 1.2e-3, 1.3e-3]], "measured on d")
+    policy = AdaptiveDraftLength(5, costs, AcceptanceTracker(5, prior=0.2, prior_weight=1e6))
+    for k, host in ((1, 3.73e-3), (3, 3.07e-3), (4, 3.79e-3), (5, 3.87e-3)):
+        for _ in range(3):
+            policy.observe_step(32, k, host, host)
+    assert policy.step_times(32)[0] == 0.8e-3 and policy.choose(0, 32) == 0
+    for _ in range(3):
+        policy.observe_step(32, 0, 2.27e-3, 2.27e-3)
+    assert policy.step_times(32)[0] == 2.27e-3 and policy.choose(1, 32) == 0  # 1 / 2.27 beats 1.25 / 3.07
+    for _ in range(3):
+        policy.observe_step(32, 0, 4.5e-3, 4.5e-3)  # had k = 0 been dear, its price would have said so
+    assert policy.choose(2, 32) == 3
 
 
 def test_step_clock_samples_steady_decode_periods(monkeypatch):
@@ -391,32 +416,34 @@ def test_adaptive_steps_read_nothing_back(llama, make_eagle3_llama):
     assert len(set(chosen)) > 1, chosen
 
 
-def _simulate(policy_for, device_ms, host_ms, accept, steps=600, batch=1, noise=0.2, seed=0, context_ms=0.0):
+def _simulate(policy_for, device_ms, host_ms, accept, steps=600, batch=1, noise=0.2, seed=0, context_ms=0.0,
+              drift=lambda step: 1.0):
     """tokens/s of a policy on a modelled machine: a step at k takes max(device_ms(k) + context_ms,
-    host(k)) with the host time noisy (lognormal), each of `batch` sequences accepts every draft with
-    probability `accept`; the engine's lags (acceptance seen two steps late) and step samples (the
-    host part of a steady step and its period) as LLMEngine feeds them. The start-up profile is
-    device_ms alone: context_ms is what long contexts add to every k, which it does not see."""
+    host(k) x drift(step)) with the host time noisy (lognormal), each of `batch` sequences accepts
+    every draft with probability `accept`; the engine's lags (acceptance seen two steps late) and
+    step samples (the host part of a steady step and its period) as LLMEngine feeds them. The
+    start-up profile is device_ms alone: context_ms is what long contexts add to every k, which it
+    does not see."""
     rng = np.random.default_rng(seed)
     costs = StepCosts([batch], [[device_ms(k) * 1e-3 for k in range(6)]], "measured on a model")
     policy = policy_for(costs)
     clock, tokens, proposed, last_k = 0.0, 0, [], None
     for step in range(steps):
         k = policy.choose(step, batch)
-        host = host_ms(k) * 1e-3 * rng.lognormal(0.0, noise)
+        host = host_ms(k) * 1e-3 * rng.lognormal(0.0, noise) * drift(step)
         period = max((device_ms(k) + context_ms) * 1e-3, host)
         if k == last_k:
             policy.observe_step(batch, k, host, period)
         last_k = k
         verified = proposed[-1] if proposed else 0
         timed = step >= steps // 5  # after a warm-up, as the benchmark's windows
-        for _ in range(batch):
-            accepted = 0
-            while accepted < verified and rng.random() < accept:
-                accepted += 1
-            tokens += (1 + accepted) * timed
-            if verified:
-                policy.observe(step, verified, accepted)
+        accepted = [0] * batch
+        for i in range(batch):
+            while accepted[i] < verified and rng.random() < accept:
+                accepted[i] += 1
+        tokens += (batch + sum(accepted)) * timed
+        if verified:
+            policy.observe(step, [verified] * batch, accepted)
         proposed.append(k)
         clock += period * timed
     return tokens / clock
@@ -466,7 +493,8 @@ def test_device_offset_learns_from_device_bound_steps_only():
     policy = AdaptiveDraftLength(1, costs)
     for _ in range(3):
         policy.observe_step(1, 1, 3e-3, 3.1e-3)  # host-bound: the host waited 0.1 ms of 3.1
-    assert policy.offset.seconds(1) == 0.0 and policy.step_times(1) == [3e-3, 3e-3]  # host time, flat
+    # host time where priced; k = 0, below every priced k, its device time
+    assert policy.offset.seconds(1) == 0.0 and policy.step_times(1) == [1e-3, 3e-3]
     for period in (5e-3, 5.5e-3, 9e-3):  # the host waited for the device: periods of 5-9 ms at k = 1
         policy.observe_step(1, 1, 1e-3, period)
     assert policy.offset.seconds(1) == pytest.approx(3.5e-3)  # median period less the profile's 2 ms

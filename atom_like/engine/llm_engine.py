@@ -293,15 +293,18 @@ class LLMEngine:
         start = time.perf_counter()
         results = self.runner.collect()
         self._clock.waited(time.perf_counter() - start)
-        prompt_only = []
+        prompt_only, drafted, accepted = [], [], []
         for item, result in zip(batch.seqs, results):
             if item.spec_token_ids and item.seq.status is not SequenceStatus.FINISHED:  # as SpecStats counts them
-                self.draft_policy.observe(step, len(item.spec_token_ids), result.num_accepted)
+                drafted.append(len(item.spec_token_ids))
+                accepted.append(result.num_accepted)
             if result.prompt_logprobs:
                 item.seq.prompt_logprobs.extend(result.prompt_logprobs)
             if item.samples and item.seq.params.max_tokens == 0:  # it wanted the prompt forward alone
                 result.new_token_ids, result.logprobs, result.draft_token_ids = [], [], []
                 prompt_only.append(item.seq)
+        if drafted:
+            self.draft_policy.observe(step, drafted, accepted)
         touched = self.scheduler.update(batch, results, self._stop_string if self.tokenizer is not None else None)
         for seq in prompt_only:
             self.scheduler.finish(seq, "length")
