@@ -89,6 +89,25 @@ def test_switching_k_is_lossless_mha(llama, make_eagle3_llama, overlap, eager):
     assert_no_leak(engine)
 
 
+def test_switching_k_reuses_the_sampling_rows(llama, make_eagle3_llama, monkeypatch):
+    """A sampling batch whose k alternates builds each k's per-row sampling settings once (they
+    were rebuilt and uploaded at every change of k)."""
+    import atom_like.engine.sampler as sampler_module
+
+    path, _ = llama
+    engine = LLMEngine(path, max_model_len=128, method="eagle3", draft_model=make_eagle3_llama(path, aux_layer_ids=[0, 1, 2]),
+                       num_speculative_tokens=3, speculative_adaptive=True)
+    engine.draft_policy = Cycle([1, 3], 3)
+    built = []
+    build = sampler_module.row_sampling_tensors
+    monkeypatch.setattr(sampler_module, "row_sampling_tensors", lambda *a: built.append(tuple(a[2])) or build(*a))
+    # unseeded: a seeded sampling request pins k to its maximum (LLMEngine._num_drafts)
+    outs = engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert len(outs[0].token_ids) == 24
+    assert {(2,), (4,)} <= set(built) and len(built) <= 4, built  # prefill, first verify, then k = 1 and 3 once each
+    assert_no_leak(engine)
+
+
 def test_switching_k_is_lossless_mla(make_deepseek, make_eagle3_mla):
     """MLA target and draft, overlapped through the static path vs synchronous and eager: the same
     tokens as without a draft, and the same proposals step for step (a wrong first-pass width,
