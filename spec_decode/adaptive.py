@@ -299,13 +299,22 @@ class StepClock:
     """Times the engine's steps for DraftLengthPolicy.observe_step: `begin` at every step call,
     `waited` for each wait on the device (collect) inside it, `end` with the (sequences, k) of
     the pure decode step the call launched (None: nothing, or a step with prompt chunks). `end`
-    returns a sample (sequences, k, host seconds, period): the previous launch's period less its
-    waits, and the period, when this launch has the same k (steady: the step verified as many
-    drafts as it proposes) and nothing came between."""
+    returns a sample (sequences, k, host seconds, period) of the call before: its period (entry to
+    entry) less its waits, and the period, when the launches whose work that call did all ran the
+    same k: with overlap, call N collects step N - 1 (which verified what step N - 2 proposed: its
+    tokens to emit, detokenize and check) and launches step N (verifying step N - 1's drafts), so
+    k_{N-2} = k_{N-1} = k_N, with decode launches only in between. A sample taken right after a
+    change of k priced the new k by the old k's work: in the SmolLM2 runs of 2026-11-27 the policy's
+    k = 0, entered from k = 5 probes, was priced at 3.82 ms where fixed k = 0 ran 2.94 (batch 32,
+    temperature 1), so k = 0 lost to k = 5 where it was the best mode. (Without overlap call N
+    collects step N itself: the same rule is then one launch stricter than needed.)"""
+
+    STEADY = 3  # consecutive launches at one k before a call's sample counts
 
     def __init__(self):
         self._entry = self._wait = 0.0
         self._last: tuple[float, int, int, float] | None = None  # (entry, sequences, k, wait) of the last launch
+        self._ks: deque[int] = deque(maxlen=self.STEADY)  # k of the latest consecutive decode launches
 
     def begin(self) -> None:
         self._entry, self._wait = time.perf_counter(), 0.0
@@ -316,9 +325,12 @@ class StepClock:
     def end(self, launched: tuple[int, int] | None) -> tuple[int, int, float, float] | None:
         last, self._last = self._last, None
         if launched is None:
+            self._ks.clear()
             return None
+        steady = len(self._ks) == self.STEADY and len(set(self._ks)) == 1  # k_{N-2}, k_{N-1}, k_N of the call before
+        self._ks.append(launched[1])
         self._last = (self._entry, *launched, self._wait)
-        if last is None or last[2] != launched[1]:
+        if last is None or not steady:
             return None
         period = self._entry - last[0]
         return last[1], last[2], period - last[3], period

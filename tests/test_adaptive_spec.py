@@ -328,30 +328,41 @@ def test_a_k_below_every_priced_one_is_tried():
 
 
 def test_step_clock_samples_steady_decode_periods(monkeypatch):
-    now = iter([0.0, 10.0, 25.0, 31.0, 40.0, 52.0])
+    """A call's sample counts when the launches whose work it did (the step it collects, verifying
+    the drafts of the one before, and the step it launches) ran one k; a step with prompt chunks
+    (None) starts the count again."""
+    entries = [0.0, 10.0, 25.0, 31.0, 40.0, 52.0, 60.0, 75.0, 80.0, 90.0, 95.0, 99.0, 107.0]
+    now = iter(entries)
     monkeypatch.setattr("spec_decode.adaptive.time.perf_counter", lambda: next(now))
     clock = StepClock()
     samples = []
-    for launched, wait in (((4, 2), 3.0), ((4, 2), 5.0), ((4, 3), 0.0), ((4, 3), 1.0), (None, 0.0), ((4, 3), 0.0)):
+    calls = [((4, 2), 1.0), ((4, 2), 2.0), ((4, 2), 3.0), ((4, 2), 0.0), ((4, 3), 0.0), ((4, 3), 0.0), ((4, 3), 0.0),
+             ((4, 3), 0.0), (None, 0.0), ((4, 3), 0.0), ((4, 3), 0.0), ((4, 3), 0.0), ((4, 3), 0.0)]
+    for launched, wait in calls:
         clock.begin()
         clock.waited(wait)
         samples.append(clock.end(launched))
-    # period 0 -> 10 less its 3 s wait; 10 -> 25 ends at a new k; 25 -> 31 steady again; nothing
-    # launched at 40, so the launch at 52 has no period to close
-    assert samples == [None, (4, 2, 7.0, 10.0), None, (4, 3, 6.0, 6.0), None, None]
+    # calls 2 and 3 ran after three launches at k = 2: (25 -> 31) less 3 s, (31 -> 40); call 4 launched
+    # k = 3, and calls 5 and 6 still collect steps that verified k = 2 drafts; 6 -> 7 is steady at
+    # k = 3; the prompt step (8) restarts the count: three more launches before a sample (11 -> 12)
+    assert samples == [None, None, None, (4, 2, 3.0, 6.0), (4, 2, 9.0, 9.0), None, None, (4, 3, 15.0, 15.0), None,
+                       None, None, None, (4, 3, 8.0, 8.0)]
 
 
 def test_adaptive_engine_is_lossless_and_follows_acceptance(llama):
     """The real policy in the engine (CPU: the fixed cost table): all drafts accepted -> k stays
     high; none -> k drops to 0 after the first verifications; the tokens never change."""
-    path, baseline = llama
+    path, _ = llama
+    # long enough for steady steps at k = 5 (6 tokens a step): the step clock's samples need 3 in a row
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    baseline = generate(LLMEngine(path, max_model_len=128), params=params)
     for m, expect in ((5, 5), (0, 0)):
         engine = oracle_engine(path, baseline, 5, accept_first(m))
         engine.draft_policy = policy = AdaptiveDraftLength(5, engine.runner.step_costs)
         chosen = []
         choose = policy.choose
         policy.choose = lambda step, n: chosen.append(choose(step, n)) or chosen[-1]
-        assert run(engine, PROMPTS, GREEDY) == baseline
+        assert run(engine, PROMPTS, params) == baseline
         assert chosen[-1] == expect, chosen
         assert_no_leak(engine)
         # the engine timed its steady decode steps for the policy, at the ks it ran
