@@ -499,6 +499,51 @@ def test_adaptive_on_a_modelled_machine_stays_near_the_best_fixed_k(name, device
     assert adaptive >= 0.90 * max(fixed) and adaptive >= 0.95 * fixed[0], (name, adaptive, fixed)
 
 
+def _simulate_calls(policy, monkeypatch, device_ms, host_ms, accept, steps=800, batch=32, seed=0):
+    """tokens/s on a modelled host-bound machine whose calls are timed by the engine's StepClock: call
+    N's host time depends on the k it launches, the k of the step before (whose drafts the launch
+    verifies) and the tokens of the step it collects, as on an overlapped pipeline."""
+    rng = np.random.default_rng(seed)
+    now = [0.0]
+    monkeypatch.setattr("spec_decode.adaptive.time.perf_counter", lambda: now[0])
+    clock, ks, accepted, tokens, seconds = StepClock(), [0], [0] * batch, 0, 0.0
+    for step in range(steps):
+        clock.begin()
+        k = policy.choose(step, batch)
+        host = host_ms(k, ks[-1], batch + sum(accepted)) * 1e-3 * rng.lognormal(0.0, 0.1)
+        period = max(device_ms(k) * 1e-3, host)
+        clock.waited(period - host)
+        now[0] += period
+        sample = clock.end((batch, k))
+        if sample is not None:
+            policy.observe_step(*sample)
+        accepted = [0] * batch  # the step launched now verifies what the one before proposed
+        for i in range(batch):
+            while accepted[i] < ks[-1] and rng.random() < accept:
+                accepted[i] += 1
+        if ks[-1]:
+            policy.observe(step, [ks[-1]] * batch, accepted)
+        ks.append(k)
+        if step >= steps // 5:
+            tokens, seconds = tokens + batch + sum(accepted), seconds + period
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_prices_after_a_change_of_k_are_not_the_old_ks(monkeypatch, seed):
+    """A host-bound batch with little accepted (k = 0 is best): each probe at a larger k is followed
+    by k = 0 calls that still verify the probe's drafts and emit its tokens. Priced by those calls,
+    k = 0 looked dearer than it is and the policy kept probing (0.943x / 0.953x no speculation at
+    seeds 0 / 2 with samples taken as soon as the next launch kept the k); with samples only after
+    three launches at one k, 1.001x / 0.994x (seeds 0-3: 0.943-0.981x before, 0.989-1.001x now)."""
+    device_ms = lambda k: 1.0 + 0.15 * k
+    host_ms = lambda k, k_before, collected: 1.5 + 0.1 * k + 0.25 * k_before + 0.02 * collected
+    costs = lambda: StepCosts([32], [[device_ms(k) * 1e-3 for k in range(6)]], "measured on a model")
+    adaptive = _simulate_calls(AdaptiveDraftLength(5, costs()), monkeypatch, device_ms, host_ms, 0.15, seed=seed)
+    plain = _simulate_calls(FixedDraftLength(0), monkeypatch, device_ms, host_ms, 0.15, seed=seed)
+    assert adaptive >= 0.975 * plain, (adaptive, plain)
+
+
 def test_long_contexts_move_the_best_k_and_the_device_offset_follows():
     """The 8B shape at batch 128 on an H100 (2026-11-27): the start-up profile says 17.8 ms at k = 4
     and 22.8 at k = 5, so with every draft accepted k = 4 looks best (5 / 17.8 > 6 / 22.8); at
