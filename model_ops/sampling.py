@@ -28,9 +28,11 @@ class SamplingTensors:
     # the rows that draw from the shared generator, on the device (None: every row does), so
     # that noise is scattered into them without a Python-list index (a blocking upload)
     shared_rows: torch.Tensor | None = None
-    # host facts that let processed_probs skip whole passes over [rows, vocab]: some row has a
-    # top-k or top-p (the sort), some row is greedy (the one-hot rows)
-    filtered: bool = True
+    # host facts that let processed_probs skip whole passes over [rows, vocab]: how many of each
+    # row's largest logits the top-k / top-p filters need in order (0: no row filters, no sort; the
+    # largest top-k when every row has one: a top-k, not a sort of the vocabulary; else the
+    # vocabulary), and whether some row is greedy (the one-hot rows)
+    sort_width: int | None = None  # None: the whole vocabulary
     any_greedy: bool = True
 
     @classmethod
@@ -49,13 +51,23 @@ class SamplingTensors:
             generators=generators,
             all_greedy=all(t == 0 for t in temperature),
             shared_rows=_shared_rows(generators, device),
-            filtered=any(1 <= k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p),
+            sort_width=_sort_width(top_k, top_p, vocab_size),
             any_greedy=any(t == 0 for t in temperature),
         )
 
     @property
     def greedy(self) -> torch.Tensor:
         return self.temperature == 0
+
+
+def _sort_width(top_k: list[int], top_p: list[float], vocab_size: int) -> int | None:
+    """SamplingTensors.sort_width: a row without a top-k but with a top-p needs its whole order, and
+    one without either keeps every token, so only a batch where every row has a top-k gets away with
+    its largest."""
+    kept = [min(k, vocab_size) if k >= 1 else vocab_size for k in top_k]
+    if all(k == vocab_size for k in kept) and all(p >= 1.0 for p in top_p):
+        return 0
+    return max(kept) if max(kept) < vocab_size else None
 
 
 ARGMAX_CHUNKS = 64
@@ -86,19 +98,21 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     Without a top-k or top-p in the batch the sort and its passes are skipped (the same
     distribution): every pass is over [rows, vocab] fp32, rows = sequences x (drafts + 1), and
     the sort was the largest. On an H100 at batch 128, temperature 1 (SmolLM2, 49,152 tokens),
-    steps grew ~0.8 ms a draft with it (2026-11-27)."""
+    steps grew ~0.8 ms a draft with it (2026-11-27). When every row has a top-k, only the largest
+    top-k logits are ordered (torch.topk), not the vocabulary."""
     vocab = logits.shape[-1]
+    width = vocab if st.sort_width is None else st.sort_width
     temp = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature) if st.any_greedy else st.temperature
     scaled = logits.float() / temp[:, None]
-    if st.filtered:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=logits.device)[None, :]
+    if width:
+        sorted_logits, order = (scaled.topk(width, dim=-1) if width < vocab else scaled.sort(dim=-1, descending=True))
+        rank = torch.arange(width, device=logits.device)[None, :]
         sorted_logits = sorted_logits.masked_fill(rank >= st.top_k[:, None], float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill((mass_before >= st.top_p[:, None]) & (rank > 0), 0.0)
         sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-        probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+        probs = torch.zeros_like(scaled).scatter_(1, order, sorted_probs)
     else:
         probs = scaled.softmax(dim=-1)
     if not st.any_greedy:

@@ -2,6 +2,8 @@
 temperature / top-k / top-p sampling matches the processed softmax."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -35,7 +37,8 @@ def test_top_k_1_equals_greedy(llama_path):
 SAMPLING_SEED = 0  # the sampler's seed in the distribution test (seeds 0..19 all passed: see its docstring)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.0, -1, 0.8), (1.5, 5, 0.9)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.0, -1, 0.8), (1.5, 5, 0.9),
+                                                     (1.0, 4, 1.0)])
 def test_empirical_distribution_matches_softmax(temperature, top_k, top_p):
     """Chi-square in float64, p >= chi_square.P_FLOOR (1e-3). Run once over sampler seeds 0..19
     for each case (80 runs): p from 0.0063 to 0.98, one below 0.05; seed 0, kept here, gives
@@ -81,3 +84,21 @@ def test_logprobs_are_log_softmax(llama_path):
         assert lp.token_id == tok and len(lp.top) == 3
         assert max(lp.top.values()) == pytest.approx(lp.logprob)  # greedy picks the most likely token
         assert all(v <= 0 for v in lp.top.values())
+
+
+@pytest.mark.parametrize("top_k,top_p,width", [
+    ([-1, -1], [1.0, 1.0], 0),  # nothing filters: no sort at all
+    ([5, 9], [1.0, 0.9], 9),  # every row has a top-k: the largest 9, top-p applied within them
+    ([5, -1], [1.0, 1.0], None),  # a row keeps every token: the whole order
+    ([-1, -1], [0.9, 1.0], None),  # a top-p without a top-k needs the whole order
+    ([40, 3], [1.0, 1.0], None),  # a top-k past the vocabulary is no top-k
+])
+def test_sorting_only_what_the_filters_need(top_k, top_p, width):
+    """processed_probs orders only the largest top-k logits when every row has a top-k, nothing when no
+    row filters; the distribution is the one the whole-vocabulary sort gives (distinct logits)."""
+    vocab = 32
+    st = SamplingTensors.build([0.8, 1.3], top_k, top_p, [None, None], vocab, torch.device("cpu"))
+    assert st.sort_width == width
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    full = dataclasses.replace(st, sort_width=None)
+    torch.testing.assert_close(processed_probs(logits, st), processed_probs(logits, full), rtol=1e-6, atol=1e-7)
