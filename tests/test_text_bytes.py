@@ -138,9 +138,11 @@ def test_server_streams_whole_characters(bigram, client, stop):
     assert whole.choices[0].text == want
 
 
-def test_a_run_of_skipped_special_tokens_keeps_the_window_short():
+@pytest.mark.parametrize("rust", [True, False], ids=["decode_stream", "python_window"])
+def test_a_run_of_skipped_special_tokens_reaches_no_decoder(rust):
     """An ignore_eos request that repeats EOS: the text is what decoding everything at once gives,
-    and the window each token decodes stays a few tokens long (it grew by one a skipped token)."""
+    and the skipped tokens never reach the decoder (each one grew its window, and every later
+    token's decode with it), in Rust (DecodeStream) and in the Python window alike."""
     from transformers import AutoTokenizer
 
     from atom_like.engine.detokenizer import IncrementalDetokenizer
@@ -150,9 +152,22 @@ def test_a_run_of_skipped_special_tokens_keeps_the_window_short():
     eos = tok.eos_token_id
     generated = script[:4] + [eos] * 500 + script[4:] + [eos] * 500 + script
     detok = IncrementalDetokenizer(tok, [], [])
-    widest = 0
+    assert (detok._backend is not None) and detok._skipped  # the fast tokenizer takes the Rust path
+    seen = []
+    if rust:
+        stream = detok._stream
+
+        class Counting:
+            def step(self, backend, token_id):
+                seen.append(token_id)
+                return stream.step(backend, token_id)
+
+        detok._stream = Counting()
+    else:
+        detok._backend = None
+        decode = detok._decode
+        detok._decode = lambda ids: seen.append(len(ids)) or decode(ids)
     for t in generated:
         detok.add(t)
-        widest = max(widest, len(detok.ids) - detok.prefix_offset)
     assert detok.text == tok.decode(generated, skip_special_tokens=True)
-    assert widest <= 8, widest
+    assert eos not in seen if rust else max(seen) <= 8, seen
