@@ -65,6 +65,10 @@ class SpecStats(SpecCounts):
         self.log_every_steps = log_every_steps
         self.accepted_histogram = [0] * (num_spec_tokens + 1)  # drafts with exactly n accepted
         self.num_steps = 0
+        # this step's verifications by drafted and by accepted count, which end_step folds into the
+        # per-position counts: a loop over a step's positions, not over every (sequence, draft)
+        self._step_drafted = [0] * (num_spec_tokens + 1)
+        self._step_accepted = [0] * (num_spec_tokens + 1)
 
     def snapshot(self) -> SpecCounts:
         return SpecCounts(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
@@ -77,11 +81,9 @@ class SpecStats(SpecCounts):
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        for i in range(accepted):
-            self.accepted_per_position[i] += 1
-        for i in range(drafted):
-            self.drafted_per_position[i] += 1
         self.accepted_histogram[accepted] += 1
+        self._step_drafted[drafted] += 1
+        self._step_accepted[accepted] += 1
 
     def summary(self) -> str:
         per_pos = ", ".join(f"{p:.3f}" for p in self.per_position_acceptance)
@@ -96,7 +98,16 @@ class SpecStats(SpecCounts):
         )
 
     def end_step(self) -> None:
-        """Called once per engine step that verified drafts; logs every `log_every_steps`."""
+        """Called once per engine step that verified drafts (after its observations: the per-position
+        counts take them in here); logs every `log_every_steps`."""
+        drafted = accepted = 0
+        for i in range(self.num_speculative_tokens - 1, -1, -1):  # position i: verifications past i
+            drafted += self._step_drafted[i + 1]
+            accepted += self._step_accepted[i + 1]
+            self.drafted_per_position[i] += drafted
+            self.accepted_per_position[i] += accepted
+        self._step_drafted = [0] * (self.num_speculative_tokens + 1)
+        self._step_accepted = [0] * (self.num_speculative_tokens + 1)
         self.num_steps += 1
         if self.num_steps % self.log_every_steps == 0:
             logger.info(self.summary())
