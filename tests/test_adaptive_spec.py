@@ -446,72 +446,24 @@ def test_adaptive_steps_read_nothing_back(llama, make_eagle3_llama):
     assert len(set(chosen)) > 1, chosen
 
 
-def _simulate(policy_for, device_ms, host_ms, accept, steps=600, batch=1, noise=0.2, seed=0, context_ms=0.0,
-              drift=lambda step: 1.0):
-    """tokens/s of a policy on a modelled machine: a step at k takes max(device_ms(k) + context_ms,
-    host(k) x drift(step)) with the host time noisy (lognormal), each of `batch` sequences accepts
-    every draft with probability `accept`; the engine's lags (acceptance seen two steps late) and
-    step samples (the host part of a steady step and its period) as LLMEngine feeds them. The
-    start-up profile is device_ms alone: context_ms is what long contexts add to every k, which it
-    does not see."""
-    rng = np.random.default_rng(seed)
-    costs = StepCosts([batch], [[device_ms(k) * 1e-3 for k in range(6)]], "measured on a model")
-    policy = policy_for(costs)
-    clock, tokens, proposed, last_k = 0.0, 0, [], None
-    for step in range(steps):
-        k = policy.choose(step, batch)
-        host = host_ms(k) * 1e-3 * rng.lognormal(0.0, noise) * drift(step)
-        period = max((device_ms(k) + context_ms) * 1e-3, host)
-        if k == last_k:
-            policy.observe_step(batch, k, host, period)
-        last_k = k
-        verified = proposed[-1] if proposed else 0
-        timed = step >= steps // 5  # after a warm-up, as the benchmark's windows
-        accepted = [0] * batch
-        for i in range(batch):
-            while accepted[i] < verified and rng.random() < accept:
-                accepted[i] += 1
-        tokens += (batch + sum(accepted)) * timed
-        if verified:
-            policy.observe(step, [verified] * batch, accepted)
-        proposed.append(k)
-        clock += period * timed
-    return tokens / clock
-
-
-@pytest.mark.parametrize("name, device_ms, host_ms, accept", [
-    # SmolLM2-135M at batch 1 on an H100: host-bound, every k about 1.55 ms (section 11)
-    ("host-bound, flat", lambda k: 0.35 + 0.1 * k, lambda k: 1.50 + 0.02 * k, 0.5),
-    # large batch of a small model: the host's own cost grows with k (fixed k = 1 beat k = 5 by 1.4x)
-    ("host-bound, growing", lambda k: 2.0 + 0.5 * k, lambda k: 8.0 + 2.5 * k, 0.3),
-    # the 8B shape: device-bound, the host well below the device
-    ("device-bound", lambda k: 5.9 + 0.9 * k, lambda k: 1.0 + 0.05 * k, 0.8),
-    ("device-bound, nothing accepted", lambda k: 5.9 + 0.9 * k, lambda k: 1.0 + 0.05 * k, 0.0),
-    # host and device close: host-bound at small k, device-bound from k = 3
-    ("mixed", lambda k: 1.0 + 0.4 * k, lambda k: 1.8 + 0.1 * k, 0.7),
-])
-def test_adaptive_on_a_modelled_machine_stays_near_the_best_fixed_k(name, device_ms, host_ms, accept):
-    """Not a benchmark (the GPU's is docs/benchmarks.md section 11): the policy's choices on a
-    model of the machines measured there, with 20% noise on every host sample. Adaptive within
-    10% of the best fixed k and never below 0.95x no speculation."""
-    adaptive = _simulate(lambda costs: AdaptiveDraftLength(5, costs), device_ms, host_ms, accept)
-    fixed = [_simulate(lambda costs: FixedDraftLength(k), device_ms, host_ms, accept) for k in range(6)]
-    assert adaptive >= 0.90 * max(fixed) and adaptive >= 0.95 * fixed[0], (name, adaptive, fixed)
-
-
-def _simulate_calls(policy, monkeypatch, device_ms, host_ms, accept, steps=800, batch=32, seed=0):
-    """tokens/s on a modelled host-bound machine whose calls are timed by the engine's StepClock: call
-    N's host time depends on the k it launches, the k of the step before (whose drafts the launch
-    verifies) and the tokens of the step it collects, as on an overlapped pipeline."""
+def _simulate(policy_for, monkeypatch, device_ms, host_ms, accept, steps=600, batch=1, noise=0.2, seed=0,
+              context_ms=0.0):
+    """tokens/s of a policy on a modelled machine, its calls timed by the engine's StepClock: call N
+    takes max(device_ms(k) + context_ms, host) with host = host_ms(k, k of the step before (whose
+    drafts this launch verifies), tokens of the step it collects), noisy (lognormal), as on an
+    overlapped pipeline; each of `batch` sequences accepts every draft with probability `accept`,
+    seen by the policy with the engine's lag. The start-up profile is device_ms alone: context_ms is
+    what long contexts add to every k, which it does not see."""
     rng = np.random.default_rng(seed)
     now = [0.0]
     monkeypatch.setattr("spec_decode.adaptive.time.perf_counter", lambda: now[0])
+    policy = policy_for(StepCosts([batch], [[device_ms(k) * 1e-3 for k in range(6)]], "measured on a model"))
     clock, ks, accepted, tokens, seconds = StepClock(), [0], [0] * batch, 0, 0.0
     for step in range(steps):
         clock.begin()
         k = policy.choose(step, batch)
-        host = host_ms(k, ks[-1], batch + sum(accepted)) * 1e-3 * rng.lognormal(0.0, 0.1)
-        period = max(device_ms(k) * 1e-3, host)
+        host = host_ms(k, ks[-1], batch + sum(accepted)) * 1e-3 * rng.lognormal(0.0, noise)
+        period = max((device_ms(k) + context_ms) * 1e-3, host)
         clock.waited(period - host)
         now[0] += period
         sample = clock.end((batch, k))
@@ -524,9 +476,29 @@ def _simulate_calls(policy, monkeypatch, device_ms, host_ms, accept, steps=800, 
         if ks[-1]:
             policy.observe(step, [ks[-1]] * batch, accepted)
         ks.append(k)
-        if step >= steps // 5:
+        if step >= steps // 5:  # after a warm-up, as the benchmark's windows
             tokens, seconds = tokens + batch + sum(accepted), seconds + period
     return tokens / seconds
+
+
+@pytest.mark.parametrize("name, device_ms, host_ms, accept", [
+    # SmolLM2-135M at batch 1 on an H100: host-bound, every k about 1.55 ms (section 11)
+    ("host-bound, flat", lambda k: 0.35 + 0.1 * k, lambda k, *_: 1.50 + 0.02 * k, 0.5),
+    # large batch of a small model: the host's own cost grows with k (fixed k = 1 beat k = 5 by 1.4x)
+    ("host-bound, growing", lambda k: 2.0 + 0.5 * k, lambda k, *_: 8.0 + 2.5 * k, 0.3),
+    # the 8B shape: device-bound, the host well below the device
+    ("device-bound", lambda k: 5.9 + 0.9 * k, lambda k, *_: 1.0 + 0.05 * k, 0.8),
+    ("device-bound, nothing accepted", lambda k: 5.9 + 0.9 * k, lambda k, *_: 1.0 + 0.05 * k, 0.0),
+    # host and device close: host-bound at small k, device-bound from k = 3
+    ("mixed", lambda k: 1.0 + 0.4 * k, lambda k, *_: 1.8 + 0.1 * k, 0.7),
+])
+def test_adaptive_on_a_modelled_machine_stays_near_the_best_fixed_k(monkeypatch, name, device_ms, host_ms, accept):
+    """Not a benchmark (the GPU's is docs/benchmarks.md section 11): the policy's choices on a
+    model of the machines measured there, with 20% noise on every host sample. Adaptive within
+    10% of the best fixed k and never below 0.95x no speculation."""
+    adaptive = _simulate(lambda costs: AdaptiveDraftLength(5, costs), monkeypatch, device_ms, host_ms, accept)
+    fixed = [_simulate(lambda costs: FixedDraftLength(k), monkeypatch, device_ms, host_ms, accept) for k in range(6)]
+    assert adaptive >= 0.90 * max(fixed) and adaptive >= 0.95 * fixed[0], (name, adaptive, fixed)
 
 
 @pytest.mark.parametrize("seed", [0, 2])
@@ -538,20 +510,21 @@ def test_prices_after_a_change_of_k_are_not_the_old_ks(monkeypatch, seed):
     three launches at one k, 1.001x / 0.994x (seeds 0-3: 0.943-0.981x before, 0.989-1.001x now)."""
     device_ms = lambda k: 1.0 + 0.15 * k
     host_ms = lambda k, k_before, collected: 1.5 + 0.1 * k + 0.25 * k_before + 0.02 * collected
-    costs = lambda: StepCosts([32], [[device_ms(k) * 1e-3 for k in range(6)]], "measured on a model")
-    adaptive = _simulate_calls(AdaptiveDraftLength(5, costs()), monkeypatch, device_ms, host_ms, 0.15, seed=seed)
-    plain = _simulate_calls(FixedDraftLength(0), monkeypatch, device_ms, host_ms, 0.15, seed=seed)
+    run = lambda policy_for: _simulate(policy_for, monkeypatch, device_ms, host_ms, 0.15, steps=800, batch=32, noise=0.1,
+                                       seed=seed)
+    adaptive, plain = run(lambda costs: AdaptiveDraftLength(5, costs)), run(lambda costs: FixedDraftLength(0))
     assert adaptive >= 0.975 * plain, (adaptive, plain)
 
 
-def test_long_contexts_move_the_best_k_and_the_device_offset_follows():
+def test_long_contexts_move_the_best_k_and_the_device_offset_follows(monkeypatch):
     """The 8B shape at batch 128 on an H100 (2026-11-27): the start-up profile says 17.8 ms at k = 4
     and 22.8 at k = 5, so with every draft accepted k = 4 looks best (5 / 17.8 > 6 / 22.8); at
     ~2k-token contexts every k took ~10 ms more, and k = 5 was best (6 / 32.8 > 5 / 27.8). The
     profile alone stays at k = 4; the offset of the device-bound periods moves the policy to k = 5."""
     profile = [6.9, 8.7, 12.0, 14.6, 17.8, 22.8]
-    device_ms, host_ms = (lambda k: profile[k]), (lambda k: 6.0 + 0.3 * k)
-    run = lambda policy_for: _simulate(policy_for, device_ms, host_ms, 1.0, batch=128, context_ms=10.0, noise=0.05)
+    device_ms, host_ms = (lambda k: profile[k]), (lambda k, *_: 6.0 + 0.3 * k)
+    run = lambda policy_for: _simulate(policy_for, monkeypatch, device_ms, host_ms, 1.0, batch=128, context_ms=10.0,
+                                       noise=0.05)
     fixed = [run(lambda costs: FixedDraftLength(k)) for k in range(6)]
     assert max(range(6), key=fixed.__getitem__) == 5
     policy = []
