@@ -432,8 +432,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=6, help="forced: turns of every mode a point (even: pairs)")
     parser.add_argument("--window", type=int, default=6, help="forced: timed steps of a mode's turn")
     parser.add_argument("--settle", type=int, default=3, help="untimed steps opening every turn")
-    parser.add_argument("--zoo-rounds", type=int, default=8, help="zoo: turns of every mode a point (even: pairs)")
-    parser.add_argument("--zoo-window", type=int, default=16, help="zoo: timed steps of a mode's turn (real acceptance is noisy)")
+    # zoo: many short turns. The SmolLM2 pair's steps are host-bound, and the GPU host had slow phases
+    # (every mode's steps 1.6-2x longer for a minute, 2026-11-27): 8 turns of 16 steps put such a
+    # phase on some modes' turns and not others', moving single points by 10-15%
+    parser.add_argument("--zoo-rounds", type=int, default=24, help="zoo: turns of every mode a point (even: pairs)")
+    parser.add_argument("--zoo-window", type=int, default=5, help="zoo: timed steps of a mode's turn")
     parser.add_argument("--zoo-min-seqs", type=int, default=8,
                         help="zoo: a point below this batch runs min-seqs / batch batches of other prompts in turn")
     parser.add_argument("--policy-b", help="a saved spec_decode/adaptive.py whose AdaptiveDraftLength runs as one more mode")

@@ -221,32 +221,45 @@ class StepTimes:
     0.980x the best fixed k against 0.975x); prices that never fall with k (a running maximum)
     scored the same alone but worse together with it (0.964x: one slow-phase price then lifts
     every k), and prices that expire after 128 samples gained nothing (0.971x against 0.972x,
-    15 runs)."""
+    15 runs).
+
+    Nor does a k cost more than OUTLIER^|k - j| times any other priced k j: host time grows with k
+    by far less (at most 1.3x from one k to the next in the SmolLM2 runs), and a price that stands
+    apart so far came from a bad start. At batch 1 on the 8B shape (2026-11-27, forced acceptance 4)
+    k = 4's first three samples took 14.5 ms of host time where k = 3's took 1.4, and no later
+    step ran k = 4 to correct it: 0.89x the best fixed k. Capped (2.8 ms there) the device time
+    decides again. A tighter cap (1.5, 1.3) cost up to 8% in the modelled machine of
+    tests/test_adaptive_spec.py given random 1.7-2x slow host phases (6 seeds); this one was neutral."""
 
     WINDOW, MIN_SAMPLES, OUTLIER = 16, 3, 2.0
 
     def __init__(self, buckets: list[int]):
         self.buckets = list(buckets)
         self._samples: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=self.WINDOW))
-        # per bucket, {k: median} of the ks with MIN_SAMPLES samples: kept up to date by observe (one
-        # median of <= WINDOW values a step) so that choose reads it without sorting anything
+        # per bucket, {k: median} of the ks with MIN_SAMPLES samples, and {k: price}, the medians
+        # capped: kept up to date by observe (one median of <= WINDOW values a step) so that choose
+        # reads them without sorting anything
         self._medians: dict[int, dict[int, float]] = defaultdict(dict)
+        self._prices: dict[int, dict[int, float]] = defaultdict(dict)
 
     def observe(self, num_seqs: int, k: int, seconds: float) -> None:
         b = bucket_index(self.buckets, num_seqs)
         samples = self._samples[b, k]
         samples.append(seconds)
         if len(samples) >= self.MIN_SAMPLES:
-            self._medians[b][k] = _typical(samples)
+            medians = self._medians[b]
+            medians[k] = _typical(samples)
+            self._prices[b] = {k: min([t, *(medians[j] * self.OUTLIER ** abs(k - j) for j in medians if j != k)])
+                               for k, t in sorted(medians.items())}
 
     def observed(self, num_seqs: int) -> dict[int, float]:
-        """{k: median host seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
-        return dict(sorted(self._medians[bucket_index(self.buckets, num_seqs)].items()))
+        """{k: host seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
+        return dict(self._prices[bucket_index(self.buckets, num_seqs)])
 
     def host_times(self, num_seqs: int, max_k: int) -> list[float | None] | None:
         """Host seconds of a step at k = 0..max_k, None below the lowest priced k (None for all:
         nothing priced at this bucket)."""
-        seen = self._medians[bucket_index(self.buckets, num_seqs)]
+        seen = self._prices[bucket_index(self.buckets, num_seqs)]
         if not seen:
             return None
         lowest = min(seen)

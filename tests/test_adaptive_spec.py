@@ -552,3 +552,21 @@ def test_device_offset_learns_from_device_bound_steps_only():
     fixed = AdaptiveDraftLength(1, StepCosts.fixed([1], 1))
     fixed.observe_step(1, 1, 1.0, 100.0)
     assert fixed.offset.seconds(1) == 0.0  # the table's units are not seconds
+
+
+def test_a_price_far_above_its_neighbours_is_capped():
+    """Batch 1, 8B shape, forced acceptance 4 on an H100 (2026-11-27): k = 4's first three host
+    samples took 14.5 ms, k = 3's 1.4, and nothing ran k = 4 again (0.89x the best fixed k). No price
+    exceeds OUTLIER^|k - j| times another k's, so the device times decide again."""
+    costs = StepCosts([1], [[5.3e-3, 6.0e-3, 7.2e-3, 7.7e-3, 8.5e-3, 9.0e-3]], "measured on d")
+    policy = AdaptiveDraftLength(5, costs, AcceptanceTracker(5, prior=1.0, prior_weight=1e6))
+    for k, host in ((3, 1.4e-3), (4, 14.5e-3), (5, 1.6e-3)):
+        for _ in range(3):
+            policy.observe_step(1, k, host, host)
+    assert policy.times.observed(1) == pytest.approx({3: 1.4e-3, 4: 2.8e-3, 5: 1.6e-3})
+    assert policy.choose(0, 1) == 5  # every draft accepted: 6 tokens for 9.0 ms
+    policy.times = StepTimes([1])
+    for k, host in ((3, 1.4e-3), (4, 14.5e-3)):
+        for _ in range(3):
+            policy.observe_step(1, k, host, host)
+    assert policy.step_times(1)[4] == 8.5e-3 and policy.choose(1, 1) == 5  # k = 5 extrapolated from 3 and 4's capped

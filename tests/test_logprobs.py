@@ -108,3 +108,24 @@ def test_no_logprob_past_a_stop_string(target, reference, greedy_paths, drafts):
         assert lp.logprob == pytest.approx(expected[n, out.token_ids[n]], abs=ATOL)
     if drafts:  # every draft was accepted: the stop string completed inside a multi-token step
         assert engine.spec_stats.accepted_histogram[:k] == [0] * k
+
+
+def test_step_outputs_are_what_their_step_gave_when_read_later(target, greedy_paths):
+    """RequestOutput's lists are taken from the sequence when first read (a step makes one output
+    for every request it touched; copying them all each step cost host time that grew with the
+    context): an output kept unread while the request runs on still reads as its own step's."""
+    engine = LLMEngine(target, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    engine.add_request(None, params, request_id="r", prompt_ids=PROMPTS[1])
+    kept, read_at_once = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            kept.append(out)
+            read_at_once.append((list(out.prompt_token_ids), list(out.token_ids), [lp.token_id for lp in out.logprobs]))
+    assert len(kept) > 2 and kept[-1].token_ids == greedy_paths[1]
+    late = [(out.prompt_token_ids, out.token_ids, [lp.token_id for lp in out.logprobs]) for out in kept]
+    assert late == read_at_once  # read after the request finished: each its own step's
+    assert [len(t) for _, t, _ in late] == list(range(1, 31)) and all(p == PROMPTS[1] for p, _, _ in late)
+    assert all(lp == t for _, t, lp in late)
+    kept[0].token_ids.append(-1)  # the caller's own list
+    assert kept[1].token_ids[:2] == greedy_paths[1][:2] and kept[0] != kept[1] and kept[1] == kept[1]

@@ -22,7 +22,7 @@ from atom_like.engine.step_inputs import StepBatch
 from atom_like.engine.tp_executor import StepExecutor, make_executor
 from atom_like.loader.weights import check_checkpoint_files
 from atom_like.models.registry import target_model_class
-from atom_like.sampling_params import RequestOutput, SamplingParams
+from atom_like.sampling_params import RequestOutput, SamplingParams, Span
 from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength, StepClock
 from spec_decode.stats import SpecStats
 
@@ -336,11 +336,12 @@ class LLMEngine:
         if seq.status is SequenceStatus.FINISHED:
             del self.requests[seq.request_id]
             self._finished_ids.append(seq.request_id)
-        return RequestOutput(  # fresh lists: the caller keeps the output while the sequence grows
-            request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+        n, p = len(seq.token_ids), seq.num_prompt_tokens
+        return RequestOutput(
+            request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=Span(seq.token_ids, 0, p),
             text=request.detokenizer.text if request.detokenizer is not None else "",
-            token_ids=seq.token_ids[seq.num_prompt_tokens:],
-            finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            token_ids=Span(seq.token_ids, p, n), finish_reason=seq.finish_reason,
+            logprobs=Span(seq.logprobs, 0, len(seq.logprobs)) if seq.params.logprobs is not None else None,
             prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None else None,
         )
 
