@@ -290,9 +290,16 @@ class DeviceOffset:
     once, as many query rows as there are) is about the same at every k. On the 8B shape at batch
     128 and ~2k-token contexts the steps took 9-13 ms more than the profile at k = 3, 4 and 5,
     which moved the best k from 4 (profile) to 5 (2026-11-27, docs/benchmarks.md section 11).
-    Never below 0: a period cannot beat the device, so a negative sample is noise."""
+    Never below 0: a period cannot beat the device, so a negative sample is noise.
 
-    WINDOW, DEVICE_BOUND = 16, 0.1
+    Device-bound means the host waited at least half the period. A period the host mostly
+    worked through is only an upper bound on the device's time, and as an offset it lifted every
+    k's price to the sampled k's period: with 10%, the SmolLM2 pair's host-bound steps at batch 64,
+    temperature 1 (4-5 ms periods, profile ~1 ms) taught offsets of 4.7-6.7 ms, which priced k = 0
+    at k = 2's period less 0.3 ms, and the policy drafted 86 of 120 steps where fixed k = 0 was
+    best (0.92x it; H100, 2026-11-27). The 8B shape's steps waited 68-90% of their periods."""
+
+    WINDOW, DEVICE_BOUND = 16, 0.5
 
     def __init__(self, buckets: list[int]):
         self.buckets = list(buckets)

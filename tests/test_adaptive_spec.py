@@ -541,6 +541,7 @@ def test_device_offset_learns_from_device_bound_steps_only():
     policy = AdaptiveDraftLength(1, costs)
     for _ in range(3):
         policy.observe_step(1, 1, 3e-3, 3.1e-3)  # host-bound: the host waited 0.1 ms of 3.1
+        policy.observe_step(1, 1, 3e-3, 4.5e-3)  # mostly host: waited 1.5 ms of 4.5 (an upper bound on the device)
     # host time where priced; k = 0, below every priced k, its device time
     assert policy.offset.seconds(1) == 0.0 and policy.step_times(1) == [1e-3, 3e-3]
     for period in (5e-3, 5.5e-3, 9e-3):  # the host waited for the device: periods of 5-9 ms at k = 1
