@@ -297,7 +297,12 @@ class DeviceOffset:
     k's price to the sampled k's period: with 10%, the SmolLM2 pair's host-bound steps at batch 64,
     temperature 1 (4-5 ms periods, profile ~1 ms) taught offsets of 4.7-6.7 ms, which priced k = 0
     at k = 2's period less 0.3 ms, and the policy drafted 86 of 120 steps where fixed k = 0 was
-    best (0.92x it; H100, 2026-11-27). The 8B shape's steps waited 68-90% of their periods."""
+    best (0.92x it; H100, 2026-11-27). The 8B shape's steps waited 68-90% of their periods.
+
+    A host-bound period still bounds the device's time from above (the device kept up), so it caps
+    the samples kept (`bound`): device-bound steps can be rare, and without the cap an offset learnt
+    in a slow minute stood for good (11.2 ms at batch 128, temperature 1, where the steps took
+    5-6 ms: every k then cost about the same, and the policy drafted 5 where k = 0 was best)."""
 
     WINDOW, DEVICE_BOUND = 16, 0.5
 
@@ -310,6 +315,14 @@ class DeviceOffset:
         b = bucket_index(self.buckets, num_seqs)
         self._samples[b].append(seconds)
         self._medians[b] = max(0.0, statistics.median(self._samples[b]))
+
+    def bound(self, num_seqs: int, seconds: float) -> None:
+        """The device took at most `seconds` beyond the profile: no kept sample stays above it."""
+        b = bucket_index(self.buckets, num_seqs)
+        samples = self._samples.get(b)
+        if samples and max(samples) > seconds:
+            samples = self._samples[b] = deque((min(s, seconds) for s in samples), maxlen=self.WINDOW)
+            self._medians[b] = max(0.0, statistics.median(samples))
 
     def seconds(self, num_seqs: int) -> float:
         return self._medians.get(bucket_index(self.buckets, num_seqs), 0.0)
@@ -375,8 +388,12 @@ class AdaptiveDraftLength(DraftLengthPolicy):
 
     def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
         self.times.observe(num_seqs, k, host_seconds)
-        if self.costs.measured and period_seconds - host_seconds >= DeviceOffset.DEVICE_BOUND * period_seconds:
-            self.offset.observe(num_seqs, period_seconds - self.costs.step_times(num_seqs)[k])
+        if self.costs.measured:
+            beyond = period_seconds - self.costs.step_times(num_seqs)[k]
+            if period_seconds - host_seconds >= DeviceOffset.DEVICE_BOUND * period_seconds:
+                self.offset.observe(num_seqs, beyond)
+            else:
+                self.offset.bound(num_seqs, beyond)
 
     def step_times(self, num_seqs: int) -> list[float]:
         """T(batch, k) for k = 0..max_drafts: device time (the profile plus the running batch's

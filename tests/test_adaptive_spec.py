@@ -550,6 +550,10 @@ def test_device_offset_learns_from_device_bound_steps_only():
     assert policy.step_times(1) == pytest.approx([4.5e-3, 5.5e-3]) and policy.offset.seconds(8) == 0.0
     policy.observe_step(8, 0, 1e-3, 2e-3)  # faster than the profile's 4 ms: noise, the offset stays >= 0
     assert policy.offset.seconds(8) == 0.0
+    policy.observe_step(1, 0, 3e-3, 4e-3)  # host-bound, 4 ms: the device took at most 3 ms beyond k = 0's 1 ms
+    assert policy.offset.seconds(1) == pytest.approx(3e-3)  # samples 3.0, 3.5, 3.0 (was 7.0)
+    policy.observe_step(1, 1, 1e-3, 1.5e-3)  # a period below the profile: nothing kept above 0
+    assert policy.offset.seconds(1) == 0.0 and policy.step_times(1) == pytest.approx([1e-3, 2e-3])
     fixed = AdaptiveDraftLength(1, StepCosts.fixed([1], 1))
     fixed.observe_step(1, 1, 1.0, 100.0)
     assert fixed.offset.seconds(1) == 0.0  # the table's units are not seconds
