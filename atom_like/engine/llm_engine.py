@@ -339,7 +339,7 @@ class LLMEngine:
         n, p = len(seq.token_ids), seq.num_prompt_tokens
         return RequestOutput(
             request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=Span(seq.token_ids, 0, p),
-            text=request.detokenizer.text if request.detokenizer is not None else "",
+            text=request.detokenizer.snapshot() if request.detokenizer is not None else "",
             token_ids=Span(seq.token_ids, p, n), finish_reason=seq.finish_reason,
             logprobs=Span(seq.logprobs, 0, len(seq.logprobs)) if seq.params.logprobs is not None else None,
             prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None else None,
