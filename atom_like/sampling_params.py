@@ -91,12 +91,36 @@ class Span:
         return self.source[self.start:self.stop]
 
 
+class TextPieces(list):
+    """A detokenizer's text, a piece a token (appended, never changed), with the text of the pieces
+    read so far kept joined: outputs are read in order (a stream), so each read joins only the new
+    pieces onto it, one copy of the text a read as `text += piece` made one a token."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends = [0]  # ends[i]: characters in the first i pieces (appended with each piece)
+        self._joined = ("", 0)  # (the text of the first n pieces, n): one attribute, replaced whole
+
+    def add(self, piece: str) -> None:
+        self.append(piece)
+        self.ends.append(self.ends[-1] + len(piece))
+
+    def text(self, n: int) -> str:
+        """The text of the first n pieces."""
+        joined, have = self._joined
+        if n > have:
+            joined = joined + "".join(self[have:n])
+            self._joined = (joined, n)
+            return joined
+        return joined if n == have else joined[:self.ends[n]]
+
+
 class TextSpan(Span):
-    """The text of source[start:stop], a list of text pieces that only ever grows."""
+    """The text of the first `stop` pieces of a TextPieces (start is 0)."""
     __slots__ = ()
 
     def read(self) -> str:
-        return "".join(self.source[self.start:self.stop])
+        return self.source.text(self.stop)
 
 
 class _Snapshot:

@@ -194,4 +194,5 @@ def test_the_text_in_pieces_cuts_at_a_stop_and_keeps_earlier_snapshots(stop):
             break
     assert stopped and detok.text == SCRIPT[:SCRIPT.index(stop)]
     assert all(a == b[:len(a)] for a, b in zip(texts, texts[1:-1])) and SCRIPT.startswith(texts[-2] if n else "")
+    assert [s.read() for s in snapshots[::-1]] == texts[::-1]  # a later one read first: earlier ones still theirs
     assert [s.read() for s in snapshots] == texts
