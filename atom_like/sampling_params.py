@@ -184,3 +184,9 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        """len(token_ids), without reading them (the server counts every output's on the engine's thread)."""
+        ids = self._token_ids
+        return ids.stop - ids.start if isinstance(ids, Span) else len(ids)

@@ -125,7 +125,8 @@ def test_step_outputs_are_what_their_step_gave_when_read_later(target, greedy_pa
     assert len(kept) > 2 and kept[-1].token_ids == greedy_paths[1]
     late = [(out.prompt_token_ids, out.token_ids, [lp.token_id for lp in out.logprobs]) for out in kept]
     assert late == read_at_once  # read after the request finished: each its own step's
-    assert [len(t) for _, t, _ in late] == list(range(1, 31)) and all(p == PROMPTS[1] for p, _, _ in late)
+    assert [len(t) for _, t, _ in late] == list(range(1, 31)) == [out.num_tokens for out in kept]
+    assert all(p == PROMPTS[1] for p, _, _ in late)
     assert all(lp == t for _, t, lp in late)
     kept[0].token_ids.append(-1)  # the caller's own list
     assert kept[1].token_ids[:2] == greedy_paths[1][:2] and kept[0] != kept[1] and kept[1] == kept[1]

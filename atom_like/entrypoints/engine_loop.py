@@ -288,11 +288,12 @@ class EngineLoop:
             live = self._live.get(out.request_id)
             if live is None:
                 continue
-            if live.first_token_time is None and out.token_ids:
+            num_tokens = out.num_tokens
+            if live.first_token_time is None and num_tokens:
                 live.first_token_time = now
                 self.metrics.first_token(now - live.arrival, live.num_prompt_tokens)
-            self.metrics.generated(len(out.token_ids) - live.num_generated)
-            live.num_generated = len(out.token_ids)
+            self.metrics.generated(num_tokens - live.num_generated)
+            live.num_generated = num_tokens
             if out.finished:
                 del self._live[out.request_id]
                 self._finished(live, out.finish_reason, now)

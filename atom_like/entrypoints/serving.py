@@ -229,7 +229,7 @@ class OpenAIServing:
             if body.logprobs is not None:
                 logprobs = _completion_logprobs(tokenizer, scored, token_text_offset[index])
                 token_text_offset[index] += sum(len(t) for t in logprobs.tokens)
-            sent_tokens[index] = len(out.token_ids)
+            sent_tokens[index] = out.num_tokens
             if not (delta or out.finished or (logprobs and logprobs.tokens)):
                 return None
             choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=out.finish_reason)
@@ -260,7 +260,7 @@ class OpenAIServing:
             delta, logprobs = text.delta(index, out), None
             if body.logprobs and out.logprobs is not None:
                 logprobs = ChatLogprobs(content=_chat_logprobs(tokenizer, out.logprobs[sent_tokens[index]:]))
-            sent_tokens[index] = len(out.token_ids)
+            sent_tokens[index] = out.num_tokens
             if not (delta or out.finished or (logprobs and logprobs.content)):
                 return None
             return chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=delta), logprobs=logprobs,
