@@ -223,12 +223,12 @@ class StepTimes:
     every k), and prices that expire after 128 samples gained nothing (0.971x against 0.972x,
     15 runs).
 
-    Nor does a k cost more than OUTLIER^|k - j| times any other priced k j: host time grows with k
-    by far less (at most 1.3x from one k to the next in the SmolLM2 runs), and a price that stands
-    apart so far came from a bad start. At batch 1 on the 8B shape (2026-11-27, forced acceptance 4)
-    k = 4's first three samples took 14.5 ms of host time where k = 3's took 1.4, and no later
-    step ran k = 4 to correct it: 0.89x the best fixed k. Capped (2.8 ms there) the device time
-    decides again. A tighter cap (1.5, 1.3) cost up to 8% in the modelled machine of
+    Nor does a k cost more than OUTLIER^|k - j| times any other priced k j: a step grows with k by
+    far less (the fixed modes' median steps at most 1.37x from one k to the next in three SmolLM2
+    runs on H100s), and a price that stands apart so far came from a bad start. At batch 1 on the
+    8B shape (2026-11-27, forced acceptance 4) k = 4's first three samples took 14.5 ms of host
+    time where k = 3's took 1.4, and no later step ran k = 4 to correct it: 0.89x the best fixed k.
+    Capped (2.8 ms there) the device time decides again. A tighter cap (1.5, 1.3) cost up to 8% in the modelled machine of
     tests/test_adaptive_spec.py given random 1.7-2x slow host phases (6 seeds); this one was neutral."""
 
     WINDOW, MIN_SAMPLES, OUTLIER = 16, 3, 2.0
