@@ -163,10 +163,11 @@ class RequestOutput:
                  token_ids: list[int] | Span | None = None, finish_reason: str | None = None,
                  logprobs: list[TokenLogprobs] | Span | None = None,
                  prompt_logprobs: list[TokenLogprobs | None] | None = None):
-        self.request_id, self.prompt, self.prompt_token_ids, self.text = request_id, prompt, prompt_token_ids, text
-        self.token_ids = [] if token_ids is None else token_ids
+        # the slots directly, not through the descriptors: the engine makes one output a request a step
+        self.request_id, self.prompt, self._prompt_token_ids, self._text = request_id, prompt, prompt_token_ids, text
+        self._token_ids = [] if token_ids is None else token_ids
         self.finish_reason = finish_reason  # "stop" | "length" | "abort"; None while running
-        self.logprobs = logprobs
+        self._logprobs = logprobs
         # With prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it).
         self.prompt_logprobs = prompt_logprobs
 

@@ -94,7 +94,9 @@ class IncrementalDetokenizer:
         new = self._stream.step(self._backend, token_id) if self._backend is not None else self._window(token_id)
         if not new:
             return False
-        self._pieces.add(new)
+        pieces = self._pieces  # TextPieces.add, inline: once a token
+        pieces.append(new)
+        pieces.ends.append(pieces.ends[-1] + len(new))
         if check_stop and self.stop:
             tail = self._tail(len(new) + self._longest_stop - 1)  # every match that ends in `new` lies inside
             for s in self.stop:
