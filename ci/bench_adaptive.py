@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, instal
 from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
 from spec_decode.stats import SpecCounts
 
-from bench_adaptive_report import markdown, plot, verdicts  # noqa: E402  (ci/ is on the path: a script's folder)
+from bench_adaptive_report import write_report  # noqa: E402  (ci/ is on the path: a script's folder)
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256)
@@ -466,14 +466,7 @@ def main(argv: list[str] | None = None) -> dict:
         run_zoo(args, out)
     gc.unfreeze()  # the zoo part froze its engines' heaps; a caller's process gets its collector back
     out["meta"]["seconds"] = time.perf_counter() - start
-    for part, key in (("forced", "forced"), ("zoo", "temperature")):
-        if out.get(part):
-            out[f"{part}_verdicts"] = verdicts(out[part], key)
-    (out_dir / "bench_adaptive.json").write_text(json.dumps(out, indent=1))
-    text = markdown(out)
-    (out_dir / "bench_adaptive.md").write_text(text)
-    plot(out, out_dir / "bench_adaptive.png")
-    print(text)
+    print(write_report(out, out_dir))
     return out
 
 

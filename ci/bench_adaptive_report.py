@@ -1,7 +1,13 @@
 """ci/bench_adaptive.py's report: per-point verdicts against the issue's goals, the markdown tables
-and the PNG plot of a bench_adaptive.json result."""
+and the PNG plot of a bench_adaptive.json result; and results of one benchmark split over several
+device calls (each a part or some batches: a call may run 10 minutes), merged:
+
+    python ci/bench_adaptive_report.py merge a/bench_adaptive.json b/bench_adaptive.json --out merged
+"""
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 from pathlib import Path
 
@@ -126,3 +132,50 @@ def plot(out: dict, path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
+
+
+def write_report(out: dict, out_dir: Path) -> str:
+    """Verdicts into `out`; bench_adaptive.json, .md and .png into out_dir; the markdown returned."""
+    for part, key in (("forced", "forced"), ("zoo", "temperature")):
+        if out.get(part):
+            out[f"{part}_verdicts"] = verdicts(out[part], key)
+    (out_dir / "bench_adaptive.json").write_text(json.dumps(out, indent=1))
+    text = markdown(out)
+    (out_dir / "bench_adaptive.md").write_text(text)
+    plot(out, out_dir / "bench_adaptive.png")
+    return text
+
+
+def merge(outs: list[dict]) -> dict:
+    """One result from several calls' results: their points together (a point measured twice is
+    refused), the first call's meta with every call's command, device and seconds."""
+    merged = {"meta": {**outs[0]["meta"], "calls": [{k: o["meta"].get(k) for k in ("command", "device", "seconds")}
+                                                    for o in outs]}}
+    merged["meta"]["seconds"] = sum(o["meta"]["seconds"] for o in outs)
+    for part, key in (("forced", "forced"), ("zoo", "temperature")):
+        rows = [r for o in outs for r in o.get(part, [])]
+        seen = [(r["batch"], r[key], r["mode"]) for r in rows]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"{part}: a point is in more than one result: {sorted(p for p in set(seen) if seen.count(p) > 1)}")
+        if rows:
+            merged[part] = rows
+        for meta_key in (f"{part}_step_costs", f"{part}_skipped"):
+            for o in outs:
+                merged["meta"].setdefault(meta_key, o["meta"].get(meta_key))
+    merged["meta"] = {k: v for k, v in merged["meta"].items() if v is not None}
+    return merged
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("merge", help="merge the results of one benchmark split over several calls")
+    m.add_argument("results", nargs="+", type=Path)
+    m.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(write_report(merge([json.loads(p.read_text()) for p in args.results]), args.out))
+
+
+if __name__ == "__main__":
+    main()

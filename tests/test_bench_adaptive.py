@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ci"))
 import bench_adaptive  # noqa: E402
 
@@ -36,6 +38,22 @@ def test_smoke_writes_every_point(tmp_path, monkeypatch):
     assert "adaptive: mean k, / no spec, / best fixed" in text and "Worst point of adaptive-same" in text
     assert "| plain / k=0 |" in text
     assert (tmp_path / "bench_adaptive.png").stat().st_size > 0
+    # the same result split by batch over two "calls" and merged: the same verdicts; a point twice is refused
+    import bench_adaptive_report
+    saved = json.loads((tmp_path / "bench_adaptive.json").read_text())
+    calls = [{**saved, "forced": [r for r in rows if r["batch"] == b]} for b in (1, 4)]
+    merged_dir = tmp_path / "merged"
+    bench_adaptive_report.main(["merge", *(str(_dump(tmp_path / f"call{i}.json", c)) for i, c in enumerate(calls)),
+                                "--out", str(merged_dir)])
+    merged = json.loads((merged_dir / "bench_adaptive.json").read_text())
+    assert merged["forced_verdicts"] == json.loads(json.dumps(out["forced_verdicts"])) and len(merged["meta"]["calls"]) == 2
+    with pytest.raises(ValueError, match="more than one result"):
+        bench_adaptive_report.merge([calls[0], calls[0]])
+
+
+def _dump(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
 
 
 class _Recorder(bench_adaptive.DraftLengthPolicy):
