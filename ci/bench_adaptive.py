@@ -398,7 +398,7 @@ def run_zoo(args, out: dict) -> None:
     common = dict(dtype="bfloat16", max_model_len=max_tokens + 1024, max_num_seqs=max(batches), enable_prefix_caching=False)
     rows = out.setdefault("zoo", [])
     plain = LLMEngine(target, **common, gpu_memory_utilization=0.2)
-    prompts = zoo_prompts(plain, max(*batches, args.zoo_min_seqs))
+    prompts = zoo_prompts(plain, max(max(batches) * args.zoo_sets, args.zoo_min_seqs))
     if prompts is None:
         out["meta"]["zoo_skipped"] = "no GSM8K or ShareGPT prompts installed"
         return
@@ -412,7 +412,8 @@ def run_zoo(args, out: dict) -> None:
         for bs in batches:
             # small batches run several batches of other prompts in turn: at batch 1 a turn of 16
             # steps verifies 16 drafts, and acceptance alone moved such turns by 10-30% (2026-11-27)
-            sets = [prompts[i * bs:(i + 1) * bs] for i in range(max(1, args.zoo_min_seqs // bs))]
+            sets = [[prompts[(i * bs + j) % len(prompts)] for j in range(bs)]
+                    for i in range(max(1, args.zoo_sets, args.zoo_min_seqs // bs))]
             for mode, r in interleaved(plain, spec, policies_for(spec, args), sets, params, zoo,
                                        f"z{bs}t{temperature}").items():
                 rows.append(dict(batch=bs, temperature=temperature, mode=mode, **r))
@@ -439,6 +440,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--zoo-window", type=int, default=5, help="zoo: timed steps of a mode's turn")
     parser.add_argument("--zoo-min-seqs", type=int, default=8,
                         help="zoo: a point below this batch runs min-seqs / batch batches of other prompts in turn")
+    parser.add_argument("--zoo-sets", type=int, default=1,
+                        help="zoo: at least this many batches of other prompts a point, in turn, their turns pooled "
+                             "(more samples without longer contexts)")
     parser.add_argument("--policy-b", help="a saved spec_decode/adaptive.py whose AdaptiveDraftLength runs as one more mode")
     parser.add_argument("--policy-b-name", default="b", help="its mode is adaptive-<this>")
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -457,6 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = dict(meta=dict(device=device, date=time.strftime("%Y-%m-%d"), k=args.k, warm=args.warm,
                          adaptive_warm=args.adaptive_warm, rounds=args.rounds, window=args.window, settle=args.settle,
                          zoo_rounds=args.zoo_rounds, zoo_window=args.zoo_window, zoo_min_seqs=args.zoo_min_seqs,
+                         zoo_sets=args.zoo_sets,
                          policy_b=args.policy_b,
                          command=" ".join(["python ci/bench_adaptive.py", *(sys.argv[1:] if argv is None else argv)])))
     start = time.perf_counter()

@@ -55,8 +55,9 @@ def markdown(out: dict) -> str:
              f"`{meta['command']}`; k at most {meta['k']}; modes interleaved on one batch a point: {meta['warm']} untimed "
              f"steps of every mode first ({meta['adaptive_warm']} more of each adaptive policy), then "
              f"{meta['rounds']} turns a mode of {meta['settle']} untimed + {meta['window']} timed steps "
-             f"(zoo: {meta['zoo_rounds']} turns of {meta['zoo_window']}; below batch {meta.get('zoo_min_seqs', 1)}, that "
-             "many sequences' worth of batches in turn), modes forwards then backwards; tokens/s is the "
+             f"(zoo: {meta['zoo_rounds']} turns of {meta['zoo_window']}, {meta.get('zoo_sets', 1)} batch(es) of prompts a "
+             f"point in turn; below batch {meta.get('zoo_min_seqs', 1)}, that many sequences' worth of batches), modes "
+             "forwards then backwards; tokens/s is the "
              "median over pairs of rounds; "
              "step costs: " + ", ".join(f"{part} {meta[f'{part}_step_costs']['source']}" for part in ("forced", "zoo")
                                         if f"{part}_step_costs" in meta) + ".", ""]

@@ -92,15 +92,18 @@ def test_rotation_numbers_each_policy_by_its_own_steps():
 
 def test_zoo_part_runs_small_batches_as_several_batches(tmp_path, monkeypatch):
     """The zoo part's path on the shipped tiny-kimi pair (random prompts): below --zoo-min-seqs a
-    point runs that many sequences' worth of batches in turn, each its own turns, pooled."""
+    point runs that many sequences' worth of batches in turn, and at least --zoo-sets batches, each
+    its own turns, pooled."""
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(bench_adaptive, "resolve_zoo_pair",
                         lambda: tuple(str(Path(__file__).resolve().parents[1] / "atom_like/zoo/models" / name)
                                       for name in ("tiny-kimi", "tiny-kimi-eagle3-mla")))
-    monkeypatch.setattr(bench_adaptive, "zoo_prompts", lambda engine, n: bench_adaptive.random_prompts(n, 8, 1000, 0))
-    out = bench_adaptive.main(["--parts", "zoo", "--k", "2", "--batches", "1,2", "--zoo-min-seqs", "2", "--zoo-rounds", "2",
-                               "--zoo-window", "2", "--warm", "2", "--settle", "1", "--adaptive-warm", "2"])
+    monkeypatch.setattr(bench_adaptive, "zoo_prompts", lambda engine, n: bench_adaptive.random_prompts(min(n, 5), 8, 1000, 0))
+    out = bench_adaptive.main(["--parts", "zoo", "--k", "2", "--batches", "1,2,4", "--zoo-min-seqs", "2", "--zoo-rounds",
+                               "2", "--zoo-window", "2", "--warm", "2", "--settle", "1", "--adaptive-warm", "2",
+                               "--zoo-sets", "2"])
     turns = {(r["batch"], r["temperature"], r["mode"]): len(r["round_tokens"]) for r in out["zoo"]}
-    assert len(turns) == 2 * 2 * 5  # batches x temperatures x (plain, k = 0..2, adaptive)
-    assert all(n == (4 if batch == 1 else 2) for (batch, _, mode), n in turns.items() if mode != "off")
-    assert all(r["tokens_per_s"] > 0 for r in out["zoo"]) and len(out["zoo_verdicts"]) == 4
+    assert len(turns) == 3 * 2 * 5  # batches x temperatures x (plain, k = 0..2, adaptive)
+    # 2 turns a batch of prompts; at batch 1 min-seqs' 2 batches, from 2 on --zoo-sets' 2 (at 4 the 5 prompts cycle)
+    assert all(n == 4 for (batch, _, mode), n in turns.items() if mode != "off")
+    assert all(r["tokens_per_s"] > 0 for r in out["zoo"]) and len(out["zoo_verdicts"]) == 6
