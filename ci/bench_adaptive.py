@@ -413,8 +413,8 @@ def run_zoo(args, out: dict) -> None:
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=None)
         for bs in batches:
-            # small batches run several batches of other prompts in turn: at batch 1 a turn of 16
-            # steps verifies 16 drafts, and acceptance alone moved such turns by 10-30% (2026-11-27)
+            # small batches run several batches of other prompts in turn: at batch 1 a turn verifies one
+            # draft a step, and acceptance alone moved 16-step turns by 10-30% (2026-11-27)
             sets = [[prompts[(i * bs + j) % len(prompts)] for j in range(bs)]
                     for i in range(max(1, args.zoo_sets, args.zoo_min_seqs // bs))]
             for mode, r in interleaved(plain, spec, policies_for(spec, args), sets, params, zoo,

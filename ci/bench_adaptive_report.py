@@ -160,10 +160,10 @@ def merge(outs: list[dict]) -> dict:
             raise ValueError(f"{part}: a point is in more than one result: {sorted(p for p in set(seen) if seen.count(p) > 1)}")
         if rows:
             merged[part] = rows
-        for meta_key in (f"{part}_step_costs", f"{part}_skipped"):
-            for o in outs:
-                merged["meta"].setdefault(meta_key, o["meta"].get(meta_key))
-    merged["meta"] = {k: v for k, v in merged["meta"].items() if v is not None}
+        for meta_key in (f"{part}_step_costs", f"{part}_skipped"):  # from the call that ran the part
+            value = next((o["meta"][meta_key] for o in outs if o["meta"].get(meta_key) is not None), None)
+            if value is not None:
+                merged["meta"][meta_key] = value
     return merged
 
 

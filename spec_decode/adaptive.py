@@ -212,8 +212,8 @@ class StepTimes:
 
     A k without a price is interpolated, or extrapolated upwards (never below 0), from the two
     nearest priced ks (flat from a single one), and unknown below the lowest (step_times then
-    uses its device time alone). The guesses are bold on purpose: a k that looks cheap is tried and its samples price it, while a k
-    that looks dear is never tried, so a wrong high price stands. Extrapolating down along the
+    uses its device time alone). The guesses are bold on purpose: a k that looks cheap is tried
+    and its samples price it, while a k that looks dear is never tried, so a wrong high price stands. Extrapolating down along the
     slope of two noisy prices did that: at batch 32, temperature 1, k = 1 priced 3.73 ms and
     k = 3 3.07 ms put k = 0 at 4.06 ms, and the policy never ran it, while fixed k = 0 ran 2.27 ms
     and was the best mode (0.79x of it; SmolLM2 on an H100, 2026-11-27). In the modelled machines
@@ -228,8 +228,9 @@ class StepTimes:
     runs on H100s), and a price that stands apart so far came from a bad start. At batch 1 on the
     8B shape (2026-11-27, forced acceptance 4) k = 4's first three samples took 14.5 ms of host
     time where k = 3's took 1.4, and no later step ran k = 4 to correct it: 0.89x the best fixed k.
-    Capped (2.8 ms there) the device time decides again. A tighter cap (1.5, 1.3) cost up to 8% in the modelled machine of
-    tests/test_adaptive_spec.py given random 1.7-2x slow host phases (6 seeds); this one was neutral."""
+    Capped (2.8 ms there) the device time decides again. With random 1.7-2x slow host phases added
+    to the modelled machine of tests/test_adaptive_spec.py (6 seeds; that harness was not kept) a
+    tighter cap (1.5, 1.3) cost up to 8%, this one nothing."""
 
     WINDOW, MIN_SAMPLES, OUTLIER = 16, 3, 2.0
 
@@ -249,8 +250,8 @@ class StepTimes:
         if len(samples) >= self.MIN_SAMPLES:
             medians = self._medians[b]
             medians[k] = _typical(samples)
-            self._prices[b] = {k: min([t, *(medians[j] * self.OUTLIER ** abs(k - j) for j in medians if j != k)])
-                               for k, t in sorted(medians.items())}
+            self._prices[b] = {i: min([t, *(medians[j] * self.OUTLIER ** abs(i - j) for j in medians if j != i)])
+                               for i, t in sorted(medians.items())}
 
     def observed(self, num_seqs: int) -> dict[int, float]:
         """{k: host seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""

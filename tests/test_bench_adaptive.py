@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ci"))
 import bench_adaptive  # noqa: E402
+import bench_adaptive_report  # noqa: E402
 
 
 def test_smoke_writes_every_point(tmp_path, monkeypatch):
@@ -39,14 +40,15 @@ def test_smoke_writes_every_point(tmp_path, monkeypatch):
     assert "| plain / k=0 |" in text
     assert (tmp_path / "bench_adaptive.png").stat().st_size > 0
     # the same result split by batch over two "calls" and merged: the same verdicts; a point twice is refused
-    import bench_adaptive_report
     saved = json.loads((tmp_path / "bench_adaptive.json").read_text())
     calls = [{**saved, "forced": [r for r in rows if r["batch"] == b]} for b in (1, 4)]
+    calls[0]["meta"] = {k: v for k, v in saved["meta"].items() if k != "forced_step_costs"}  # the other call's
     merged_dir = tmp_path / "merged"
     bench_adaptive_report.main(["merge", *(str(_dump(tmp_path / f"call{i}.json", c)) for i, c in enumerate(calls)),
                                 "--out", str(merged_dir)])
     merged = json.loads((merged_dir / "bench_adaptive.json").read_text())
     assert merged["forced_verdicts"] == json.loads(json.dumps(out["forced_verdicts"])) and len(merged["meta"]["calls"]) == 2
+    assert merged["meta"]["forced_step_costs"] == saved["meta"]["forced_step_costs"]
     with pytest.raises(ValueError, match="more than one result"):
         bench_adaptive_report.merge([calls[0], calls[0]])
 
