@@ -223,15 +223,6 @@ class StepTimes:
     every k), and prices that expire after 128 samples gained nothing (0.971x against 0.972x,
     15 runs).
 
-    k = 0 is priced by its own samples alone, and no k >= 1 is guessed from it: a step without
-    drafts skips the draft's launches and its host work, so the step from k = 0 to k = 1 is a jump,
-    not a slope. Extrapolated along it, the k >= 2 of a policy that had priced only k = 0 (1.39 ms)
-    and k = 1 (2.26 ms) cost up to 5.7 ms and were never tried, at batch 8, temperature 0, where
-    k = 2 was best and every k >= 1 took 1.8-1.9 ms (0.83x the best fixed k; SmolLM2 on an H100,
-    2026-11-27, docs/benchmarks.md section 11). Replaying real acceptance traces of that pair with
-    slow host phases added, the change moved the policy from 0.949-0.976x to 0.970-0.988x the best
-    fixed k at temperature 0 (means over the prompts) and from 0.943-0.971x to 0.950-0.977x at 1.
-
     Nor does a k cost more than OUTLIER^|k - j| times any other priced k j: a step grows with k by
     far less (the fixed modes' median steps at most 1.37x from one k to the next in three SmolLM2
     runs on H100s), and a price that stands apart so far came from a bad start. At batch 1 on the
@@ -272,10 +263,8 @@ class StepTimes:
         seen = self._prices[bucket_index(self.buckets, num_seqs)]
         if not seen:
             return None
-        drafting = {k: t for k, t in seen.items() if k > 0}
-        lowest = min(drafting, default=max_k + 1)
-        return [seen.get(0), *(None if k < lowest else seen[k] if k in seen else _interpolate(drafting, k)
-                               for k in range(1, max_k + 1))]
+        lowest = min(seen)
+        return [None if k < lowest else seen[k] if k in seen else _interpolate(seen, k) for k in range(max_k + 1)]
 
 
 def _typical(values) -> float:

@@ -278,25 +278,10 @@ def test_step_times_medians_and_the_k_they_have_not_seen():
     assert times.host_times(1, 7)[3] == pytest.approx(1.6)  # between two seen ks
     assert times.host_times(1, 7)[5] == pytest.approx(2.4) and times.host_times(1, 7)[0] is None
     for _ in range(3):
-        times.observe(1, 0, 0.5)
-    # k = 0 runs no draft: its price is its own, and no k >= 1 is guessed from it (k = 1 stays
-    # unknown below the lowest priced k >= 1, k = 3 between 2 and 4 as before)
-    assert times.host_times(1, 7)[:4] == [0.5, None, 1.2, pytest.approx(1.6)]
+        times.observe(1, 0, 3.0)
+    assert times.host_times(1, 7)[1] == pytest.approx(2.1)  # from the two nearest: k = 0 and 2
     times.observe(1, 7, 100.0)  # fewer than MIN_SAMPLES: not used
     assert times.host_times(1, 7)[7] == pytest.approx(2.0 + 0.4 * 3)
-
-
-def test_no_k_with_drafts_is_priced_from_k0():
-    """SmolLM2 on an H100 (2026-11-27), batch 8, temperature 0: k = 0 priced 1.39 ms, k = 1 2.26 ms,
-    every k >= 1 really ~1.85 ms. Extrapolated along the 0 -> 1 jump, k = 5 cost 5.7 ms and was never
-    tried (0.83x the best fixed k); from the ks with drafts alone it costs what k = 1 does."""
-    costs = StepCosts([8], [[0.85e-3 + 0.1e-3 * k for k in range(6)]], "measured on d")
-    policy = AdaptiveDraftLength(5, costs, AcceptanceTracker(5, prior=0.7, prior_weight=1e6))
-    for k, host in ((0, 1.39e-3), (1, 2.26e-3)):
-        for _ in range(3):
-            policy.observe_step(8, k, host, host)
-    assert policy.step_times(8) == pytest.approx([1.39e-3] + [2.26e-3] * 5)
-    assert policy.choose(0, 8) == 5
 
 
 def test_host_bound_steps_are_priced_by_their_host_time():
@@ -315,7 +300,8 @@ def test_host_bound_steps_are_priced_by_their_host_time():
     for _ in range(3):
         policy.observe_step(1, 5, 3.1e-3, 3.1e-3)  # ... until k = 5 turns out to cost the host 0.4 ms a draft
     assert policy.step_times(1)[3] == pytest.approx(2.3e-3)  # from k = 1 and 5
-    assert policy.choose(3, 1) == 1  # 1.5 / 1.5 ms beats 1.75 / 1.9 (k = 2, between k = 1 and 5)
+    # k = 2 from its two nearest, k = 1 and 0, at 1.5 ms (unmeasured, so tried: 1.75 tokens a step there)
+    assert policy.step_times(1)[2] == 1.5e-3 and policy.choose(3, 1) == 2
     fixed = AdaptiveDraftLength(5, StepCosts.fixed([1], 5), AcceptanceTracker(5, prior=0.5, prior_weight=1.0))
     for _ in range(3):
         fixed.observe_step(1, 1, 100.0, 200.0)
@@ -521,15 +507,13 @@ def test_prices_after_a_change_of_k_are_not_the_old_ks(monkeypatch, seed):
     by k = 0 calls that still verify the probe's drafts and emit its tokens. Priced by those calls,
     k = 0 looked dearer than it is and the policy kept probing (0.943x / 0.953x no speculation at
     seeds 0 / 2 with samples taken as soon as the next launch kept the k); with samples only after
-    three launches at one k, 1.001x / 0.994x (seeds 0-3: 0.943-0.981x before, 0.989-1.001x after).
-    Since no k >= 1 is priced from k = 0's price any more, 0.990x / 0.967x (seeds 0-7: 0.954-0.997x,
-    mean 0.981x; 0.945-1.001x, mean 0.987x before that change)."""
+    three launches at one k, 1.001x / 0.994x (seeds 0-3: 0.943-0.981x before, 0.989-1.001x now)."""
     device_ms = lambda k: 1.0 + 0.15 * k
     host_ms = lambda k, k_before, collected: 1.5 + 0.1 * k + 0.25 * k_before + 0.02 * collected
     run = lambda policy_for: _simulate(policy_for, monkeypatch, device_ms, host_ms, 0.15, steps=800, batch=32, noise=0.1,
                                        seed=seed)
     adaptive, plain = run(lambda costs: AdaptiveDraftLength(5, costs)), run(lambda costs: FixedDraftLength(0))
-    assert adaptive >= 0.96 * plain, (adaptive, plain)
+    assert adaptive >= 0.975 * plain, (adaptive, plain)
 
 
 def test_long_contexts_move_the_best_k_and_the_device_offset_follows(monkeypatch):
