@@ -26,7 +26,9 @@ time (the machine slowed single turns by 10-17% now and then, device-bound steps
 records each round's tokens/s, its median step overall and per k, the steps that ran eagerly
 instead of replaying graphs, and the full (generation 2) garbage collections that fell inside its
 windows. `--policy-b FILE` adds the adaptive policy of a saved spec_decode/adaptive.py as a mode
-(`git show REV:spec_decode/adaptive.py > FILE`): two policies A/B in one run.
+(`git show REV:spec_decode/adaptive.py > FILE`): two policies A/B in one run. It repeats: several
+candidates in one run, each a mode (one run of the same policy moved its worst point by ~0.1x on the
+host-bound SmolLM2 pair, so a candidate is judged against its peers in the same turns).
 
     python ci/bench_adaptive.py                 # GPU, ~7 min on one H100
     python ci/bench_adaptive.py --smoke         # CPU, tiny model, < 1 min (tests/test_bench_adaptive.py)
@@ -300,7 +302,7 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
 
 
 def policies_for(engine, args) -> dict[str, DraftLengthPolicy]:
-    """Fixed k = 0..args.k and the adaptive policy; with --policy-b the adaptive policy of that saved
+    """Fixed k = 0..args.k and the adaptive policy; with --policy-b the adaptive policy of each saved
     version of spec_decode/adaptive.py too, as "adaptive-<name>" (an A/B in one run)."""
     k, costs = engine.runner.num_spec_tokens, engine.runner.step_costs
     policies: dict[str, DraftLengthPolicy] = {f"k={j}": FixedDraftLength(j) for j in range(k + 1)}
@@ -308,8 +310,9 @@ def policies_for(engine, args) -> dict[str, DraftLengthPolicy]:
     if args.policy_b:
         from gpu_timing import load_kernel_version
 
-        module = load_kernel_version(Path(args.policy_b), f"adaptive_{args.policy_b_name}", package="spec_decode")
-        policies[f"adaptive-{args.policy_b_name}"] = module.AdaptiveDraftLength(k, costs)
+        for path, name in zip(args.policy_b, args.policy_b_name):
+            module = load_kernel_version(Path(path), f"adaptive_{name}", package="spec_decode")
+            policies[f"adaptive-{name}"] = module.AdaptiveDraftLength(k, costs)
     return policies
 
 
@@ -446,8 +449,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--zoo-sets", type=int, default=1,
                         help="zoo: at least this many batches of other prompts a point, in turn, their turns pooled "
                              "(more samples without longer contexts)")
-    parser.add_argument("--policy-b", help="a saved spec_decode/adaptive.py whose AdaptiveDraftLength runs as one more mode")
-    parser.add_argument("--policy-b-name", default="b", help="its mode is adaptive-<this>")
+    parser.add_argument("--policy-b", action="append", default=[],
+                        help="a saved spec_decode/adaptive.py whose AdaptiveDraftLength runs as one more mode (repeatable)")
+    parser.add_argument("--policy-b-name", action="append", default=[],
+                        help="the mode of the i-th --policy-b is adaptive-<the i-th name> (default: b, c, d ...)")
     parser.add_argument("--prompt-len", type=int, default=64)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -457,6 +462,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rounds % 2 or args.zoo_rounds % 2:
         parser.error(f"--rounds {args.rounds} / --zoo-rounds {args.zoo_rounds}: must be even (a mode's tokens/s is "
                      "the median over pairs of rounds, one forwards and one backwards)")
+    if len(args.policy_b_name) > len(args.policy_b):
+        parser.error(f"{len(args.policy_b_name)} --policy-b-name for {len(args.policy_b)} --policy-b")
+    args.policy_b_name += [chr(ord("b") + i) for i in range(len(args.policy_b_name), len(args.policy_b))]
+    if len(set(args.policy_b_name)) < len(args.policy_b_name):
+        parser.error(f"--policy-b-name: the modes' names repeat ({', '.join(args.policy_b_name)})")
     args.batches = [int(b) for b in args.batches.split(",")]
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)

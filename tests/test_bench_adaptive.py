@@ -16,12 +16,13 @@ import bench_adaptive_report  # noqa: E402
 
 def test_smoke_writes_every_point(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
-    # policy B: this tree's own policy file, as an A/B run loads a saved one
-    policy_b = Path(__file__).resolve().parents[1] / "spec_decode" / "adaptive.py"
-    out = bench_adaptive.main(["--smoke", "--policy-b", str(policy_b), "--policy-b-name", "same"])
+    # two more policies: this tree's own policy file, as an A/B run loads a saved one (the second
+    # unnamed: adaptive-c)
+    policy_b = str(Path(__file__).resolve().parents[1] / "spec_decode" / "adaptive.py")
+    out = bench_adaptive.main(["--smoke", "--policy-b", policy_b, "--policy-b-name", "same", "--policy-b", policy_b])
     rows = out["forced"]
-    # batches 1, 4 x forced m 0..2 x (plain engine, k=0, k=1, k=2, adaptive, adaptive-same)
-    assert len(rows) == 2 * 3 * 6 and all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    # batches 1, 4 x forced m 0..2 x (plain engine, k=0, k=1, k=2, adaptive, adaptive-same, adaptive-c)
+    assert len(rows) == 2 * 3 * 7 and all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     assert all(len(r["round_tokens_per_s"]) == 2 and r["eager_steps"] == 0 for r in rows)  # --smoke: 2 turns a mode
     assert all(r["mean_k"] == 0 and r["vs_k0_same_context"] > 0 for r in rows if r["mode"] == "off")
     for r in rows:
@@ -30,13 +31,14 @@ def test_smoke_writes_every_point(tmp_path, monkeypatch):
             assert r["mean_acceptance_length"] == 1 + min(r["forced"], r["mean_k"])  # forced acceptance holds
     # the policy follows the forced acceptance: no drafts when none is accepted, all of them when all are
     # (each adaptive policy learns from the steps it chose alone, the other modes' turns between them)
-    for mode in ("adaptive", "adaptive-same"):
+    for mode in ("adaptive", "adaptive-same", "adaptive-c"):
         adaptive = {(r["batch"], r["forced"]): r["mean_k"] for r in rows if r["mode"] == mode}
         assert adaptive[1, 0] == 0 and adaptive[1, 2] == 2
-    assert len(out["forced_verdicts"]) == 6 * 2
+    assert len(out["forced_verdicts"]) == 6 * 3
     assert json.loads((tmp_path / "bench_adaptive.json").read_text())["meta"]["k"] == 2
     text = (tmp_path / "bench_adaptive.md").read_text()
     assert "adaptive: mean k, / no spec, / best fixed" in text and "Worst point of adaptive-same" in text
+    assert "Worst point of adaptive-c" in text
     assert "| plain / k=0 |" in text
     assert (tmp_path / "bench_adaptive.png").stat().st_size > 0
     # the same result split by batch over two "calls" and merged: the same verdicts; a point twice is refused
