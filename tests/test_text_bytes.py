@@ -139,20 +139,25 @@ def test_server_streams_whole_characters(bigram, client, stop):
 
 
 @pytest.mark.parametrize("rust", [True, False], ids=["decode_stream", "python_window"])
-def test_a_run_of_skipped_special_tokens_reaches_no_decoder(rust):
+def test_a_run_of_skipped_special_tokens_reaches_no_decoder(rust, monkeypatch):
     """An ignore_eos request that repeats EOS: the text is what decoding everything at once gives,
     and the skipped tokens never reach the decoder (each one grew its window, and every later
-    token's decode with it), in Rust (DecodeStream) and in the Python window alike."""
+    token's decode with it), in Rust (DecodeStream) and in the Python window alike (what a
+    tokenizer whose decode is not plain takes)."""
     from transformers import AutoTokenizer
 
+    from atom_like.engine import detokenizer
     from atom_like.engine.detokenizer import IncrementalDetokenizer
 
     tok = AutoTokenizer.from_pretrained(str(resolve("tiny-kimi")))
     script = tok(SCRIPT, add_special_tokens=False).input_ids
     eos = tok.eos_token_id
     generated = script[:4] + [eos] * 500 + script[4:] + [eos] * 500 + script
+    assert detokenizer.plain_backend(tok) is not None  # the fast tokenizer takes the Rust path
+    if not rust:
+        monkeypatch.setattr(detokenizer, "plain_backend", lambda tokenizer: None)
     detok = IncrementalDetokenizer(tok, [], [])
-    assert (detok._backend is not None) and detok._skipped  # the fast tokenizer takes the Rust path
+    assert detok._skipped
     seen = []
     if rust:
         stream = detok._stream
@@ -164,7 +169,6 @@ def test_a_run_of_skipped_special_tokens_reaches_no_decoder(rust):
 
         detok._stream = Counting()
     else:
-        detok._backend = None
         decode = detok._decode
         detok._decode = lambda ids: seen.append(len(ids)) or decode(ids)
     for t in generated:

@@ -64,10 +64,11 @@ class IncrementalDetokenizer:
             self._stream = DecodeStream(skip_special_tokens=True)
             for token_id in context:
                 self._stream.step(self._backend, token_id)
-        self._decode = ids_decoder(tokenizer)
-        self.ids = context
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        else:  # the window in Python (_window)
+            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+            self.ids = context
+            self.prefix_offset = 0
+            self.read_offset = len(self.ids)
         self.stop = stop
         self._longest_stop = max(map(len, stop), default=0)
         # The text as pieces, one a token that added some (TextPieces): appending a piece costs the
