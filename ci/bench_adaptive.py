@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, instal
 from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
 from spec_decode.stats import SpecCounts
 
-from bench_adaptive_report import write_report  # noqa: E402  (ci/ is on the path: a script's folder)
+from bench_adaptive_report import pair_rates, write_report  # noqa: E402  (ci/ is on the path: a script's folder)
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256)
@@ -286,7 +286,7 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
     # what the median turn was for: a pair the machine slowed down (seen: 10-17% in single turns)
     # does not move it.
     # tokens_per_s_all is every turn's tokens over their time.
-    pairs = [(a["tokens"] + b["tokens"]) / (sum(a["times"]) + sum(b["times"])) for a, b in zip(windows[::2], windows[1::2])]
+    pairs = pair_rates([w["tokens"] for w in windows], [sum(w["times"]) for w in windows])
     return dict(tokens_per_s=statistics.median(pairs), tokens_per_s_all=tokens / seconds, tokens=tokens,
                 seconds=seconds, mean_k=sum(ks) / len(ks),
                 k_steps=dict(collections.Counter(ks)), median_step_ms=statistics.median(times) * 1e3,

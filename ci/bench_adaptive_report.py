@@ -12,17 +12,22 @@ import statistics
 from pathlib import Path
 
 
+def pair_rates(tokens: list[int], seconds: list[float]) -> list[float]:
+    """Tokens/s of each pair of rounds (one forwards, the next backwards) from each round's tokens
+    and seconds: a pair puts every mode at the same mean position in the round."""
+    return [(tokens[i] + tokens[i + 1]) / (seconds[i] + seconds[i + 1]) for i in range(0, len(tokens) - 1, 2)]
+
+
 def paired(a: dict, b: dict) -> float:
     """Mode a's tokens/s over mode b's, as the median over pairs of rounds of the two modes' ratio
     in that pair. Both ran in the same rounds minutes apart at most, so a slow phase of the host
     falls on both; the ratio of each mode's own median (`tokens_per_s`) compares pairs from
     different minutes (2026-11-27, SmolLM2 pair on an H100: a point's turns moved by up to 2x
     within a minute, every mode alike)."""
-    def pair_rates(row):
-        seconds = [t / r for t, r in zip(row["round_tokens"], row["round_tokens_per_s"])]
-        return [(row["round_tokens"][i] + row["round_tokens"][i + 1]) / (seconds[i] + seconds[i + 1])
-                for i in range(0, len(seconds) - 1, 2)]
-    return statistics.median(x / y for x, y in zip(pair_rates(a), pair_rates(b)))
+    def rates(row):
+        tokens = row["round_tokens"]
+        return pair_rates(tokens, [t / r for t, r in zip(tokens, row["round_tokens_per_s"])])
+    return statistics.median(x / y for x, y in zip(rates(a), rates(b)))
 
 
 def verdicts(rows: list[dict], key: str) -> list[dict]:
