@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 from pathlib import Path
 
@@ -18,16 +19,31 @@ def pair_rates(tokens: list[int], seconds: list[float]) -> list[float]:
     return [(tokens[i] + tokens[i + 1]) / (seconds[i] + seconds[i + 1]) for i in range(0, len(tokens) - 1, 2)]
 
 
+def _pair_ratios(a: dict, b: dict) -> list[float]:
+    def rates(row):
+        tokens = row["round_tokens"]
+        return pair_rates(tokens, [t / r for t, r in zip(tokens, row["round_tokens_per_s"])])
+    return [x / y for x, y in zip(rates(a), rates(b))]
+
+
 def paired(a: dict, b: dict) -> float:
     """Mode a's tokens/s over mode b's, as the median over pairs of rounds of the two modes' ratio
     in that pair. Both ran in the same rounds minutes apart at most, so a slow phase of the host
     falls on both; the ratio of each mode's own median (`tokens_per_s`) compares pairs from
     different minutes (2026-11-27, SmolLM2 pair on an H100: a point's turns moved by up to 2x
     within a minute, every mode alike)."""
-    def rates(row):
-        tokens = row["round_tokens"]
-        return pair_rates(tokens, [t / r for t, r in zip(tokens, row["round_tokens_per_s"])])
-    return statistics.median(x / y for x, y in zip(rates(a), rates(b)))
+    return statistics.median(_pair_ratios(a, b))
+
+
+def paired_interval(a: dict, b: dict, resamples: int = 1000) -> tuple[float, float]:
+    """A 95% interval of `paired`: the 2.5th and 97.5th percentiles of the median over pairs
+    resampled with replacement (seeded: a report is reproducible). Why: a zoo point's pair ratios
+    spread by 0.2-0.4 (sd; SmolLM2 pair on an H100, batch 1, 96 pairs), which puts a point's
+    paired ratio within about +-5%, the width of the issue's goal (2026-11-27)."""
+    ratios = _pair_ratios(a, b)
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def verdicts(rows: list[dict], key: str) -> list[dict]:
@@ -50,8 +66,15 @@ def verdicts(rows: list[dict], key: str) -> list[dict]:
                             vs_off=a / off, vs_best=a / fixed[best]["tokens_per_s"],
                             vs_off_paired=paired(modes[mode], modes["k=0"]), best_fixed_paired=best_paired,
                             vs_best_paired=paired(modes[mode], fixed[best_paired]),
+                            vs_off_paired_95=paired_interval(modes[mode], modes["k=0"]),
+                            vs_best_paired_95=paired_interval(modes[mode], fixed[best_paired]),
                             plain_vs_k0=modes["off"]["vs_k0_same_context"]))
     return out
+
+
+def _with_interval(verdict: dict, key: str) -> str:
+    low, high = verdict[f"{key}_95"]
+    return f"{verdict[key]:.2f}x [{low:.2f}, {high:.2f}]"
 
 
 def markdown(out: dict) -> str:
@@ -76,7 +99,7 @@ def markdown(out: dict) -> str:
                   "batch; the last column is the plain engine's tokens/s over k = 0's right after both prefilled "
                   "the same prompts.", "",
                   f"| batch | {title} | " + " | ".join("no spec (k=0)" if m == "k=0" else m for m in modes)
-                  + "".join(f" | {p}: mean k, / no spec, / best fixed | paired: / no spec, / best fixed" for p in policies)
+                  + "".join(f" | {p}: mean k, / no spec, / best fixed | paired [95%]: / no spec, / best fixed" for p in policies)
                   + " | plain / k=0 |",
                   "|---|---|" + "---|" * (len(modes) + 2 * len(policies) + 1)]
         v = {(r["batch"], r[key], r["policy"]): r for r in verdicts(out[part], key)}
@@ -85,8 +108,9 @@ def markdown(out: dict) -> str:
             points.setdefault((r["batch"], r[key]), {})[r["mode"]] = r["tokens_per_s"]
         for (bs, x), tps in sorted(points.items()):
             cells = [f"{v[bs, x, p]['adaptive_k']:.2f}, {v[bs, x, p]['vs_off']:.2f}x, {v[bs, x, p]['vs_best']:.2f}x "
-                     f"({v[bs, x, p]['best_fixed']}) | {v[bs, x, p]['vs_off_paired']:.2f}x, "
-                     f"{v[bs, x, p]['vs_best_paired']:.2f}x ({v[bs, x, p]['best_fixed_paired']})" for p in policies]
+                     f"({v[bs, x, p]['best_fixed']}) | {_with_interval(v[bs, x, p], 'vs_off_paired')}, "
+                     f"{_with_interval(v[bs, x, p], 'vs_best_paired')} ({v[bs, x, p]['best_fixed_paired']})"
+                     for p in policies]
             lines.append(f"| {bs} | {x} | " + " | ".join(f"{tps[m]:.0f}" for m in modes) + "".join(f" | {c}" for c in cells)
                          + f" | {v[bs, x, policies[0]]['plain_vs_k0']:.3f}x |")
         lines.append("")
@@ -94,7 +118,11 @@ def markdown(out: dict) -> str:
             mine = [r for r in v.values() if r["policy"] == p]
             lines.append(f"Worst point of {p}: {min(r['vs_off'] for r in mine):.2f}x no speculation (goal >= 0.98x), "
                          f"{min(r['vs_best'] for r in mine):.2f}x the best fixed k (goal >= 0.95x); paired ratios: "
-                         f"{min(r['vs_off_paired'] for r in mine):.2f}x, {min(r['vs_best_paired'] for r in mine):.2f}x.")
+                         f"{min(r['vs_off_paired'] for r in mine):.2f}x, {min(r['vs_best_paired'] for r in mine):.2f}x; "
+                         + "; ".join(f"{what}: 95% interval below the goal at {sum(r[f'{k}_95'][1] < goal for r in mine)} "
+                                     f"of {len(mine)} points, above it at {sum(r[f'{k}_95'][0] >= goal for r in mine)}"
+                                     for what, k, goal in (("/ no spec", "vs_off_paired", 0.98),
+                                                           ("/ best fixed", "vs_best_paired", 0.95))) + ".")
         odd = [f"batch {r['batch']} {key} {r[key]} {r['mode']}: {r['eager_steps']} eager steps, {r['gc2']} full GCs "
                f"({r['gc2_ms']:.0f} ms), k {r['k_steps']}" for r in out[part] if r["eager_steps"] or r["gc2"]]
         lines += ["", "Timed windows with eager steps or full garbage collections: " + ("; ".join(odd) or "none"), ""]

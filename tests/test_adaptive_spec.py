@@ -236,18 +236,38 @@ def test_policy_settles_on_the_forced_length(m):
 def test_policy_stops_drafting_and_probes_when_nothing_is_accepted():
     chosen = forced_run(0, steps=400)
     starts = [s for s in range(50, 400) if chosen[s] and not chosen[s - 1]]
-    # a k = 1 probe every few tens of steps (3 steps long: the 2-step lag), the rest plain decoding
-    assert 2 <= len(starts) <= 8 and sum(map(bool, chosen[50:])) <= 3 * len(starts) and max(chosen[50:]) == 1, chosen
+    # a k = 1 probe every few tens of steps (HOLD steps long: a choice holds that long; the 2-step lag is
+    # shorter), the rest plain decoding
+    probe = max(3, AdaptiveDraftLength.HOLD)
+    assert 2 <= len(starts) <= 8 and sum(map(bool, chosen[50:])) <= probe * len(starts) and max(chosen[50:]) == 1, chosen
+
+
+def test_a_choice_holds_for_hold_steps_of_one_bucket():
+    """Worked out afresh every HOLD steps, or at once when the batch moves to another bucket; held
+    in between, whatever was observed meanwhile."""
+    hold = AdaptiveDraftLength.HOLD
+    policy = AdaptiveDraftLength(3, StepCosts.fixed([8, 64], 3))
+    assert policy.choose(0, 8) == 3  # the prior: speculate
+    for step in range(1, hold):
+        policy.observe(step - 1, [3] * 8, [0] * 8)  # nothing accepted
+        assert policy.choose(step, 8) == 3
+    assert policy.choose(hold, 8) == 0 and policy.tracker.reached[0] > 0
+    fresh = AdaptiveDraftLength(3, StepCosts.fixed([8, 64], 3))
+    assert fresh.choose(0, 8) == 3
+    fresh.observe(0, [3] * 8, [0] * 8)
+    assert fresh.choose(2, 40) == 0  # another bucket: step 0's verification merged, k worked out again
 
 
 def test_policy_uses_only_steps_two_back():
     """choose(N) sees steps <= N - 2, with or without overlap: step N - 1 may still be in flight."""
+    hold = AdaptiveDraftLength.HOLD  # choices worked out afresh at steps 0, hold, 2 * hold ...
     policy = AdaptiveDraftLength(3, StepCosts.fixed([8], 3))
     assert policy.choose(0, 8) == 3  # the prior: speculate
-    policy.observe(1, [3] * 8, [0] * 8)
-    policy.choose(2, 8)
-    assert policy.tracker.reached.tolist() == [0, 0, 0]  # step 1 not merged at step 2
-    assert policy.choose(3, 8) == 0 and policy.tracker.reached[0] == 8
+    policy.observe(2 * hold - 2, [3] * 8, [0] * 8)
+    policy.observe(2 * hold - 1, [3] * 4, [3] * 4)
+    assert policy.choose(hold, 8) == 3 and policy.tracker.reached.tolist() == [0, 0, 0]
+    # step 2 * hold - 2 merged (8 drafts, none accepted), step 2 * hold - 1 not (4 drafts, all accepted)
+    assert policy.choose(2 * hold, 8) == 0 and policy.tracker.reached.tolist() == [8, 0, 0]
 
 
 def test_costs_cache_round_trip(tmp_path, monkeypatch):
@@ -290,18 +310,19 @@ def test_host_bound_steps_are_priced_by_their_host_time():
     cost no more), then back to a k that the host time seen so far says pays."""
     costs = StepCosts([1], [[0.3e-3, 0.4e-3, 0.5e-3, 0.6e-3, 0.7e-3, 0.8e-3]], "measured on d")
     policy = AdaptiveDraftLength(5, costs, AcceptanceTracker(5, prior=0.5, prior_weight=1.0))
+    hold = policy.HOLD  # a choice is worked out afresh every HOLD steps
     assert policy.choose(0, 1) == 1  # device time alone: a = 0.5 pays for one draft
     for _ in range(3):
         policy.observe_step(1, 1, 1.5e-3, 1.5e-3)
-    assert policy.step_times(1)[4] == 1.5e-3 and policy.choose(1, 1) == 0  # k = 0 unpriced: its device time
+    assert policy.step_times(1)[4] == 1.5e-3 and policy.choose(hold, 1) == 0  # k = 0 unpriced: its device time
     for _ in range(3):
         policy.observe_step(1, 0, 1.5e-3, 1.5e-3)
-    assert policy.choose(2, 1) == 5  # host-bound: every k costs 1.5 ms
+    assert policy.choose(2 * hold, 1) == 5  # host-bound: every k costs 1.5 ms
     for _ in range(3):
         policy.observe_step(1, 5, 3.1e-3, 3.1e-3)  # ... until k = 5 turns out to cost the host 0.4 ms a draft
     assert policy.step_times(1)[3] == pytest.approx(2.3e-3)  # from k = 1 and 5
     # k = 2 from its two nearest, k = 1 and 0, at 1.5 ms (unmeasured, so tried: 1.75 tokens a step there)
-    assert policy.step_times(1)[2] == 1.5e-3 and policy.choose(3, 1) == 2
+    assert policy.step_times(1)[2] == 1.5e-3 and policy.choose(3 * hold, 1) == 2
     fixed = AdaptiveDraftLength(5, StepCosts.fixed([1], 5), AcceptanceTracker(5, prior=0.5, prior_weight=1.0))
     for _ in range(3):
         fixed.observe_step(1, 1, 100.0, 200.0)
@@ -318,13 +339,14 @@ def test_a_k_below_every_priced_one_is_tried():
     for k, host in ((1, 3.73e-3), (3, 3.07e-3), (4, 3.79e-3), (5, 3.87e-3)):
         for _ in range(3):
             policy.observe_step(32, k, host, host)
+    hold = policy.HOLD  # a choice is worked out afresh every HOLD steps
     assert policy.step_times(32)[0] == 0.8e-3 and policy.choose(0, 32) == 0
     for _ in range(3):
         policy.observe_step(32, 0, 2.27e-3, 2.27e-3)
-    assert policy.step_times(32)[0] == 2.27e-3 and policy.choose(1, 32) == 0  # 1 / 2.27 beats 1.25 / 3.07
+    assert policy.step_times(32)[0] == 2.27e-3 and policy.choose(hold, 32) == 0  # 1 / 2.27 beats 1.25 / 3.07
     for _ in range(3):
         policy.observe_step(32, 0, 4.5e-3, 4.5e-3)  # had k = 0 been dear, its price would have said so
-    assert policy.choose(2, 32) == 3
+    assert policy.choose(2 * hold, 32) == 3
 
 
 def test_step_clock_samples_steady_decode_periods(monkeypatch):
@@ -531,9 +553,10 @@ def test_long_contexts_move_the_best_k_and_the_device_offset_follows(monkeypatch
     adaptive = run(lambda costs: policy.append(AdaptiveDraftLength(5, costs)) or policy[0])
     assert adaptive >= 0.99 * fixed[5], (adaptive, fixed)
     assert policy[0].offset.seconds(128) == pytest.approx(10e-3, rel=0.05)
-    assert policy[0].choose(600, 128) == 5  # the step after the simulated 600
+    hold = AdaptiveDraftLength.HOLD
+    assert policy[0].choose(600 + hold, 128) == 5  # past the simulated 600 and the choice they held
     policy[0].offset = DeviceOffset([128])  # the profile alone
-    assert policy[0].choose(601, 128) == 4
+    assert policy[0].choose(600 + 2 * hold, 128) == 4
 
 
 def test_device_offset_learns_from_device_bound_steps_only():

@@ -111,3 +111,36 @@ def test_zoo_part_runs_small_batches_as_several_batches(tmp_path, monkeypatch):
     # 2 turns a batch of prompts; at batch 1 min-seqs' 2 batches, from 2 on --zoo-sets' 2 (at 4 the 5 prompts cycle)
     assert all(n == 4 for (batch, _, mode), n in turns.items() if mode != "off")
     assert all(r["tokens_per_s"] > 0 for r in out["zoo"]) and len(out["zoo_verdicts"]) == 6
+
+
+def test_paired_interval_holds_the_paired_ratio_and_narrows_with_pairs():
+    """The 95% interval of a paired ratio: around the median pair ratio, of zero width for one mode
+    against itself, and narrower with four times the pairs (the same spread of ratios)."""
+    import random
+
+    def row(tokens, seconds):
+        return {"round_tokens": tokens, "round_tokens_per_s": [t / s for t, s in zip(tokens, seconds)]}
+
+    def rows(pairs, seed):
+        rng = random.Random(seed)
+        tokens = [rng.randint(5, 12) for _ in range(2 * pairs)]
+        a_sec = [0.01 * rng.uniform(0.8, 1.2) for _ in tokens]
+        b_sec = [s * rng.uniform(0.7, 1.3) for s in a_sec]  # pair ratios spread by about +-30%
+        return row(tokens, a_sec), row(tokens, b_sec)
+
+    a, b = rows(24, 0)
+    low, high = bench_adaptive_report.paired_interval(a, b)
+    assert low < bench_adaptive_report.paired(a, b) < high and high - low > 0.02
+    assert bench_adaptive_report.paired_interval(a, a) == (1.0, 1.0)
+    wide = high - low
+    low, high = bench_adaptive_report.paired_interval(*rows(96, 0))
+    assert high - low < 0.75 * wide
+
+
+def test_policy_host_bench_runs():
+    """ci/bench_policy_host.py: the policy's calls timed at batch 1 and 32, k = 0 and 3."""
+    import bench_policy_host
+
+    rows = bench_policy_host.main(["--steps", "200"])
+    assert [(r["batch"], r["k"]) for r in rows] == [(1, 0), (1, 3), (32, 0), (32, 3)]
+    assert all(0 < r["choose_us"] < 1e4 and 0 < r["observe_step_us"] < 1e4 for r in rows)
