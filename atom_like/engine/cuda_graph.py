@@ -184,18 +184,16 @@ class DecodeGraphs:
         """Logits of every row of the step `load` put in place ([B * q, vocab])."""
         return self.target[self.bucket(num_seqs), self.q]()[:num_seqs * self.q]
 
-    def replay_draft(self, inputs: ProposeInputs) -> torch.Tensor:
-        """The captured draft's proposals [B, inputs.num_drafts >= 1] for the step just replayed:
-        `inputs` are that step's (views of the buffers `load` filled), with each sequence's last
-        verified row and next token."""
-        b, k = inputs.last_rows.shape[0], inputs.num_drafts
+    def replay_draft(self, fill: Callable[..., None], rows: torch.Tensor, num_accepted: torch.Tensor | None,
+                     token_ids: torch.Tensor | None, num_drafts: int) -> torch.Tensor:
+        """The captured draft's proposals [B, num_drafts >= 1] for the step just replayed: `fill`
+        (atom_like.engine.step_inputs.draft_starts or its kernel) writes each sequence's last
+        verified row and next token into the buffers, from `rows` [3, B] and the verification."""
+        b = rows.shape[1]
         bs = self.bucket(b)
-        self.last_rows[:b].copy_(inputs.last_rows)
-        self.last_rows[b:bs] = torch.arange(b, bs, device=self.device) * self.q
-        self.next_token_ids[:b].copy_(inputs.next_token_ids)
-        self.next_token_ids[b:bs] = 0
+        fill(rows, num_accepted, token_ids, self.last_rows[:bs], self.next_token_ids[:bs], self.q)
         first = self.first_pass[bs, self.q]()
-        return (first if k == 1 else self.chain[bs, k]())[:b]
+        return (first if num_drafts == 1 else self.chain[bs, num_drafts]())[:b]
 
     @torch.inference_mode()
     def profile(self, repeats: int = 5) -> StepCosts:

@@ -34,7 +34,7 @@ from atom_like.engine.sampler import DeviceLogprobs, Sampled, Sampler, token_log
 from atom_like.engine.scheduler import SeqStepResult
 from atom_like.engine.speculative import build_eagle3_proposer
 from atom_like.engine.step_inputs import (HostStep, StepBatch, StepInputs, advance_followers, batch_host_step,
-                                         host_step, upload)
+                                         draft_starts, host_step, upload)
 from atom_like.loader.dummy import init_dummy_weights
 from atom_like.loader.kv_scales import read_kv_scales
 from atom_like.loader.quark import checkpoint_quantizer
@@ -65,6 +65,13 @@ def _advance_kernel() -> Callable[..., None]:
     from kernels_rocm.step_advance import advance
 
     return advance
+
+
+def _draft_starts_kernel() -> Callable[..., None]:
+    """The one-kernel draft_starts."""
+    from kernels_rocm.step_advance import draft_starts as kernel
+
+    return kernel
 
 
 @dataclass
@@ -148,10 +155,11 @@ class ModelRunner:
             counts = None if args.speculative_adaptive else [self.num_spec_tokens]
             self.graphs = DecodeGraphs(self.model, self.proposer, device, self.block_size, max_batch,
                                        self.max_blocks_per_seq, scratch_block=self.num_blocks, draft_counts=counts)
-        if device.type == "cuda":  # every verify width's step-advance kernel now, not mid-serving
+        if device.type == "cuda":  # every verify width's and batch's step-input kernels now, not mid-serving
             from kernels_rocm.step_advance import precompile
 
-            precompile(device, self.num_spec_tokens + 1, self.block_size)
+            precompile(device, self.num_spec_tokens + 1, self.block_size,
+                       args.max_num_seqs if self.num_spec_tokens else 0)
         self.step_costs: StepCosts | None = self._step_costs() if self.num_spec_tokens else None
         self._profiler: tuple[torch.profiler.profile, str] | None = None  # recording, and where it goes
 
@@ -416,19 +424,24 @@ class ModelRunner:
         """The draft's proposals [S, k] for the sampling sequences, on the device. Each sequence's
         last verified row and the token after it depend on how many drafts this step accepted,
         which only the device knows."""
-        qsl = host.query_start_loc
-        known = np.fromiter(map(len, [item.token_ids for item in batch.seqs]), np.int64, len(batch.seqs))
-        last_rows = torch.from_numpy(qsl[:-1] + known - 1)
-        next_tokens = torch.tensor([0 if item.samples else item.next_token_id for item in batch.seqs])
-        last_rows, next_tokens = last_rows.to(self.device, non_blocking=True), next_tokens.to(self.device, non_blocking=True)
-        sampling_t = torch.tensor(sampling, dtype=torch.long).to(self.device, non_blocking=True)
-        if sampled is not None:
-            accepted = sampled.verified.num_accepted
-            last_rows[sampling_t] += accepted
-            next_tokens[sampling_t] = sampled.verified.token_ids.gather(1, accepted[:, None]).squeeze(1)
-        inputs = ProposeInputs(input_ids=step.input_ids, positions=step.positions, meta=step.meta,
-                               last_rows=last_rows, next_token_ids=next_tokens, sampling=sampling_t,
-                               num_drafts=batch.num_drafts)
+        b = len(batch.seqs)
+        # per sequence: its last row before the verification, its row in the verification's outputs
+        # (-1: none), the token after it if it samples nothing; one upload, then one kernel on a GPU
+        rows = np.empty((3, b), dtype=np.int64)
+        known = np.fromiter(map(len, [item.token_ids for item in batch.seqs]), np.int64, b)
+        rows[0] = host.query_start_loc[:-1] + known - 1
+        rows[1] = -1
+        rows[1, sampling] = np.arange(len(sampling))
+        rows[2] = [0 if item.samples else item.next_token_id for item in batch.seqs]
+        rows_t = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        verified = (sampled.verified.num_accepted, sampled.verified.token_ids) if sampled is not None else (None, None)
+        fill = _draft_starts_kernel() if self.device.type == "cuda" else draft_starts
         if graphed and batch.num_drafts and self.graphs.captures_draft:
-            return self.graphs.replay_draft(inputs)
+            return self.graphs.replay_draft(fill, rows_t, *verified, batch.num_drafts)
+        last_rows, next_tokens = torch.empty(2, b, dtype=torch.int64, device=self.device)
+        fill(rows_t, *verified, last_rows, next_tokens, 0)
+        inputs = ProposeInputs(input_ids=step.input_ids, positions=step.positions, meta=step.meta,
+                               last_rows=last_rows, next_token_ids=next_tokens,
+                               sampling=torch.tensor(sampling, dtype=torch.long).to(self.device, non_blocking=True),
+                               num_drafts=batch.num_drafts)
         return self.proposer.propose(inputs)

@@ -191,3 +191,24 @@ def advance_followers(index: torch.Tensor, num_accepted: torch.Tensor, token_ids
     context_lens[seqs] += accepted.to(context_lens.dtype)
     tables = block_tables[seqs].repeat_interleave(q, dim=0)
     slot_mapping[cols] = slots_for_positions(tables, moved.reshape(-1), block_size).view(-1, q)
+
+
+def draft_starts(rows: torch.Tensor, num_accepted: torch.Tensor | None, token_ids: torch.Tensor | None,
+                 last_rows: torch.Tensor, next_tokens: torch.Tensor, pad_stride: int) -> None:
+    """The draft's first inputs, in place (torch ops; on a GPU the runner takes
+    kernels_rocm.step_advance.draft_starts, one kernel): each sequence's last verified row and the
+    token after it. rows [3, B] int64, per sequence: its last row before this step's verification,
+    its row in the verification's outputs (-1: it samples nothing) and, for one that samples
+    nothing, the token after it. num_accepted [S], token_ids [S, K + 1]: the verification (None:
+    none). last_rows / next_tokens [N >= B] int64: rows B.. (graph padding) get b * pad_stride and 0."""
+    base, src, host_next = rows
+    b, n = rows.shape[1], last_rows.shape[0]
+    last_rows[:b], next_tokens[:b] = base, host_next
+    if num_accepted is not None and num_accepted.numel():
+        sampling = src >= 0
+        s = src.clamp(min=0)
+        accepted = torch.where(sampling, num_accepted[s], 0)
+        last_rows[:b] += accepted
+        next_tokens[:b] = torch.where(sampling, token_ids[s, accepted], host_next)
+    last_rows[b:] = torch.arange(b, n, device=last_rows.device) * pad_stride
+    next_tokens[b:] = 0
