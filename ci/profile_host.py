@@ -19,7 +19,10 @@ function), and for each k of `--ks` (forced with FixedDraftLength) and each temp
   result processing, detokenization: what the host pays per step on a GPU as well;
 - a cProfile of further steps: the `--top` functions of the engine's host code (atom_like/engine
   but the sampler and the graphs' captured functions, spec_decode's policy and stats) and the
-  builtins (numpy, torch, list methods) they call directly, by own time per step.
+  builtins (numpy, torch, list methods) they call directly, by own time per step;
+- ops: the torch ops a step dispatches outside the graphs' replays (views left out), by where:
+  on a GPU each is about one kernel launch or copy, host time a host-bound step pays. (The CPU
+  path of `follow` is ~20 torch ops that a GPU runs as one kernel, kernels_rocm.step_advance.)
 
     python ci/profile_host.py                          # batch 128, k = 0 1 3 5, T = 0 and 1 (~1 min)
     python ci/profile_host.py --batch 64 --ks 0,5 --temperatures 1 --top 15
@@ -28,6 +31,7 @@ function), and for each k of `--ks` (forced with FixedDraftLength) and each temp
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import gc
 import json
@@ -38,12 +42,14 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from atom_like import LLMEngine, SamplingParams  # noqa: E402
 from atom_like.engine import cuda_graph  # noqa: E402
+from atom_like.engine.model_runner import ModelRunner  # noqa: E402
 from atom_like.engine.sampler import Sampler  # noqa: E402
 from spec_decode.adaptive import FixedDraftLength  # noqa: E402
 
@@ -84,6 +90,56 @@ class Split:
 
     def __exit__(self, *exc) -> None:
         cuda_graph._Replayable.__call__, Sampler.sample = self._saved
+
+
+class OpCount(TorchDispatchMode):
+    """Non-view torch ops dispatched outside the decode graphs' replays, by where they came from."""
+
+    VIEWS = {"slice", "view", "select", "as_strided", "unsqueeze", "squeeze", "expand", "alias", "t", "transpose",
+             "permute", "_unsafe_view", "detach", "unbind", "split", "narrow", "_reshape_alias", "lift_fresh"}
+    PLACES = {"sampler": (Sampler, "sample"), "draft inputs": (ModelRunner, "_propose"),
+              "step inputs": (cuda_graph.DecodeGraphs, "load"), "follow": (ModelRunner, "_follow_last_step")}
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+        self._where, self._paused = ["other"], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._paused and func.overloadpacket.__name__ not in self.VIEWS:
+            self.counts[self._where[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> "OpCount":
+        def tagged(place, fn):
+            def wrapped(*a, **k):
+                self._where.append(place)
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self._where.pop()
+            return wrapped
+
+        def paused(fn):
+            def wrapped(*a, **k):
+                self._paused += 1
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self._paused -= 1
+            return wrapped
+
+        self._saved = [(cls, name, getattr(cls, name)) for cls, name in self.PLACES.values()]
+        self._saved.append((cuda_graph._Replayable, "__call__", cuda_graph._Replayable.__call__))
+        for place, (cls, name) in self.PLACES.items():
+            setattr(cls, name, tagged(place, getattr(cls, name)))
+        cuda_graph._Replayable.__call__ = paused(cuda_graph._Replayable.__call__)
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        for cls, name, fn in self._saved:
+            setattr(cls, name, fn)
 
 
 def build_engine(batch: int, max_k: int) -> LLMEngine:
@@ -150,6 +206,9 @@ def measure(engine: LLMEngine, batch: int, k: int, temperature: float, args, tag
         engine.step()
     profile.disable()
     stats = pstats.Stats(profile)
+    with OpCount() as ops:
+        for _ in range(args.op_steps):
+            engine.step()
     for request_id in ids:
         engine.abort_request(request_id)
     engine.step()  # collects the step in flight
@@ -159,6 +218,8 @@ def measure(engine: LLMEngine, batch: int, k: int, temperature: float, args, tag
                 host_ms=round(statistics.median(hosts) * 1e3, 3), host_min_ms=round(min(hosts) * 1e3, 3),
                 tokens_per_step=round(tokens / args.steps / batch, 3),
                 python_calls=round(stats.total_calls / args.profile_steps),
+                ops_per_step=round(sum(ops.counts.values()) / args.op_steps, 1),
+                ops_by_place={p: round(n / args.op_steps, 1) for p, n in ops.counts.most_common()},
                 **host_profile(stats, args.profile_steps, args.top))
 
 
@@ -171,6 +232,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps")
     parser.add_argument("--profile-steps", type=int, default=4, help="decode steps under cProfile")
     parser.add_argument("--top", type=int, default=12, help="functions and builtins listed per point")
+    parser.add_argument("--op-steps", type=int, default=5, help="decode steps whose torch ops are counted")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
@@ -189,6 +251,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"sampler {row['sampler_ms']:.2f}, host {row['host_ms']:.3f} (min {row['host_min_ms']:.3f}); "
                   f"host functions' own {row['host_own_ms']:.2f} + their builtins {row['builtins_from_host_ms']:.2f} ms "
                   f"(cProfile); {row['python_calls']} calls; {row['tokens_per_step']:.2f} tokens/seq/step", flush=True)
+            print(f"    torch ops outside the graphs a step: {row['ops_per_step']:.1f} ("
+                  + ", ".join(f"{p} {n:.1f}" for p, n in row["ops_by_place"].items()) + ")")
             for r in row["functions"]:
                 print(f"    {r['tottime_ms']:7.3f} own {r['cumtime_ms']:7.3f} cum ms  {r['calls']:8.1f}x  {r['function']}")
             for r in row["builtins"]:

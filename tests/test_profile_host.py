@@ -17,4 +17,7 @@ def test_profile_host_smoke(tmp_path):
     assert [(r["k"], r["temperature"]) for r in rows] == [(0, 0.0), (2, 0.0), (0, 1.0), (2, 1.0)]
     for r in rows:
         assert r["step_ms"] > 0 and r["model_ms"] > 0 and r["host_ms"] > 0 and r["functions"] and r["builtins"]
+        assert r["ops_per_step"] == sum(r["ops_by_place"].values()) and r["ops_by_place"]["sampler"] > 0
+    # drafting adds the draft's inputs (the CPU path's torch version of kernels_rocm.step_advance.draft_starts)
+    assert "draft inputs" not in rows[0]["ops_by_place"] and rows[1]["ops_by_place"]["draft inputs"] > 0
     assert json.loads(out.read_text()) == rows
