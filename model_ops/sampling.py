@@ -7,6 +7,7 @@ generator, so a seeded request gets the same tokens whatever else shares its bat
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -198,17 +199,8 @@ class DraftLayout:
         if sum(num_drafts) + num_seqs != num_rows or draft_ids.numel() != sum(num_drafts):
             raise ValueError(f"logits has {num_rows} rows and draft_ids {draft_ids.numel()} tokens for "
                              f"{num_seqs} sequences with {sum(num_drafts)} drafts")
-        device = logits.device
-        n = np.array(num_drafts, dtype=np.int64)
-        row_start = np.concatenate([[0], np.cumsum(n + 1)[:-1]]) if num_seqs else n
-        draft_start = row_start - np.arange(num_seqs)
-        j = np.arange(width + 1)[None, :]
-        row_index = _to(row_start[:, None] + np.minimum(j, n[:, None]), device)
-        valid = _to(j[:, :width] < n[:, None], device)
-        # clamped into range for the gather; `valid` masks what lies past a sequence's drafts
-        draft_index = _to(np.minimum(draft_start[:, None] + j[:, :width], max(int(n.sum()) - 1, 0)), device)
+        row_start, row_index, valid, draft_index, draft_rows = _layout(tuple(num_drafts), logits.device)
         drafts = draft_ids[draft_index] if width else draft_ids.new_zeros(num_seqs, 0)
-        draft_rows = np.repeat(row_start, n) + segment_ranks(n)
         return cls(row_start, row_index, valid, drafts, draft_index, draft_rows)
 
     def verified(self, emitted: torch.Tensor, accept: torch.Tensor) -> Verified:
@@ -221,6 +213,23 @@ class DraftLayout:
         padded = torch.cat([self.drafts, self.drafts.new_full((num_seqs, 1), -1)], dim=1)
         tokens = torch.where(cols < num_accepted[:, None], padded, torch.where(cols == num_accepted[:, None], last, -1))
         return Verified(tokens, num_accepted, self.row_index)
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(num_drafts: tuple[int, ...], device: torch.device) -> tuple:
+    """DraftLayout's parts that depend on the draft counts alone, kept for the last 16 patterns (read
+    only): a decode batch keeps its pattern from step to step, and rebuilding them took three uploads a
+    step on every engine (a plain one too: its counts are all 0)."""
+    num_seqs, width = len(num_drafts), max(num_drafts, default=0)
+    n = np.array(num_drafts, dtype=np.int64)
+    row_start = np.concatenate([[0], np.cumsum(n + 1)[:-1]]) if num_seqs else n
+    draft_start = row_start - np.arange(num_seqs)
+    j = np.arange(width + 1)[None, :]
+    row_index = _to(row_start[:, None] + np.minimum(j, n[:, None]), device)
+    valid = _to(j[:, :width] < n[:, None], device)
+    # clamped into range for the gather; `valid` masks what lies past a sequence's drafts
+    draft_index = _to(np.minimum(draft_start[:, None] + j[:, :width], max(int(n.sum()) - 1, 0)), device)
+    return row_start, row_index, valid, draft_index, np.repeat(row_start, n) + segment_ranks(n)
 
 
 class Verifier(Protocol):

@@ -54,3 +54,18 @@ def test_sampling_verification_never_waits_for_the_device():
             with _NoHostWait():
                 verified = verify(logits[:rows], num_drafts, draft_ids, st, torch.Generator().manual_seed(2))
             assert verified.token_ids.shape == (len(num_drafts), max(num_drafts) + 1)
+
+
+def test_a_repeated_draft_pattern_reuses_its_layout():
+    """DraftLayout's index tensors depend on the draft counts alone: a batch that keeps its pattern
+    uploads them once, not every step; another pattern gets its own, and the drafts are read anew."""
+    from model_ops.sampling import DraftLayout
+
+    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
+    first = DraftLayout.of(logits, [1, 0, 2], torch.tensor([3, 7, 1]))
+    again = DraftLayout.of(logits, [1, 0, 2], torch.tensor([4, 8, 2]))
+    assert again.row_index is first.row_index and again.valid is first.valid and again.draft_index is first.draft_index
+    kept = [[d for d, v in zip(ds, vs) if v] for ds, vs in zip(again.drafts.tolist(), again.valid.tolist())]
+    assert kept == [[4], [], [8, 2]]  # this call's drafts (entries past a sequence's drafts are masked)
+    other = DraftLayout.of(logits, [2, 1, 0], torch.tensor([3, 7, 1]))
+    assert other.row_index is not first.row_index and other.row_index.tolist() == [[0, 1, 2], [3, 4, 4], [5, 5, 5]]
