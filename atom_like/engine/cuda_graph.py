@@ -87,6 +87,7 @@ class DecodeGraphs:
         self.last_rows = torch.zeros(n, dtype=torch.int64, **dev)
         self.next_token_ids = torch.zeros(n, dtype=torch.int64, **dev)
         self.sampling = torch.arange(n, **dev)
+        self.rows = torch.arange(t, **dev)  # a decode step's logits rows: every row (read only)
         self.pad_positions = {q: torch.arange(q, **dev).repeat(n) for q in range(1, self.qmax + 1)}
         self.q = self.qmax  # the width of the step loaded last
         counts = sorted(set(range(self.k + 1) if draft_counts is None else draft_counts))
@@ -178,7 +179,7 @@ class DecodeGraphs:
         if self.device.type != "cuda":
             self.bound = host.max_context_len
         return StepInputs(self.input_ids[:t], self.positions[:t], self._meta(b, q),
-                          torch.arange(t, device=self.device), host.rows_per_seq)
+                          self.rows[:t], host.rows_per_seq)
 
     def replay_target(self, num_seqs: int) -> torch.Tensor:
         """Logits of every row of the step `load` put in place ([B * q, vocab])."""

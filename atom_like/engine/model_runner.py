@@ -390,8 +390,11 @@ class ModelRunner:
         items = [batch.seqs[i] for i in sampling]
         rows = [step.rows_per_seq[i] for i in sampling]
         counts = np.array(rows, dtype=np.int64) - 1  # each sequence's drafts: its rows but the last
-        draft_rows = np.repeat(np.cumsum(counts + 1) - counts - 1, counts) + segment_ranks(counts)
-        draft_ids = step.input_ids[step.logits_rows[torch.from_numpy(draft_rows).to(self.device, non_blocking=True)] + 1]
+        if counts.any():
+            draft_rows = np.repeat(np.cumsum(counts + 1) - counts - 1, counts) + segment_ranks(counts)
+            draft_ids = step.input_ids[step.logits_rows[torch.from_numpy(draft_rows).to(self.device, non_blocking=True)] + 1]
+        else:  # nothing to verify (no speculation, or k = 0): four ops on empty tensors a step saved
+            draft_ids = step.input_ids.new_empty(0)
         return self.sampler.sample(logits, items, draft_ids)
 
     def _prompt_logprobs(self, batch: StepBatch, host: HostStep,
