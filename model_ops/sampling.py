@@ -203,6 +203,10 @@ class DraftLayout:
         drafts = draft_ids[draft_index] if width else draft_ids.new_zeros(num_seqs, 0)
         return cls(row_start, row_index, valid, drafts, draft_index, draft_rows)
 
+    def plain(self, emitted: torch.Tensor) -> Verified:
+        """`verified` when no sequence has a draft: each emits its one row's token (`emitted` [S])."""
+        return Verified(emitted[:, None], emitted.new_zeros(emitted.shape[0]), self.row_index)
+
     def verified(self, emitted: torch.Tensor, accept: torch.Tensor) -> Verified:
         """Each sequence keeps its drafts up to its first rejected one (`accept` [S, K]), then emits
         what the row after them would (`emitted` [R])."""
@@ -264,6 +268,8 @@ def verify(logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor,
     layout = DraftLayout.of(logits, num_drafts, draft_ids)
     if processors is not None:
         logits = processors(logits)
+    if not layout.drafts.shape[1]:  # nothing to verify: plain sampling (the general path's ~15 ops on empty tensors skipped)
+        return layout.plain(greedy_tokens(logits) if st.all_greedy else sample_from(processed_probs(logits, st), st, shared))
     if st.all_greedy and draft_probs is None:  # a host fact: no device read-back
         emitted = greedy_tokens(logits)
         accept = layout.valid & (layout.drafts == emitted[layout.row_index[:, :-1]])
