@@ -69,3 +69,23 @@ def test_a_repeated_draft_pattern_reuses_its_layout():
     assert kept == [[4], [], [8, 2]]  # this call's drafts (entries past a sequence's drafts are masked)
     other = DraftLayout.of(logits, [2, 1, 0], torch.tensor([3, 7, 1]))
     assert other.row_index is not first.row_index and other.row_index.tolist() == [[0, 1, 2], [3, 4, 4], [5, 5, 5]]
+
+
+def test_a_step_without_drafts_samples_as_the_verification_did():
+    """With no draft at all, verify samples plainly: the same tokens as the rejection path it skips, from
+    the same generator state, which it leaves where that path left it (no draw for the empty drafts)."""
+    from model_ops.sampling import DraftLayout, _rejection_sample
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    seeded = torch.Generator().manual_seed(7)
+    st = SamplingTensors.build([0.8, 1.0, 1.3], [-1, 10, -1], [1.0, 1.0, 0.9], [None, seeded, None], 50,
+                               torch.device("cpu"))
+    no_drafts = torch.zeros(0, dtype=torch.int64)
+    fast_shared, slow_shared = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    seeded_state = seeded.get_state()
+    fast = verify(logits, [0, 0, 0], no_drafts, st, fast_shared)
+    fast_seeded = seeded.get_state()
+    seeded.set_state(seeded_state)
+    emitted, _ = _rejection_sample(logits, DraftLayout.of(logits, [0, 0, 0], no_drafts), no_drafts, st, slow_shared, None)
+    assert fast.token_ids[:, 0].tolist() == emitted.tolist() and fast.num_accepted.tolist() == [0, 0, 0]
+    assert torch.equal(fast_shared.get_state(), slow_shared.get_state()) and torch.equal(fast_seeded, seeded.get_state())
