@@ -62,6 +62,7 @@ import kernels_rocm.paged_attention as paged_mod  # noqa: E402
 import kernels_rocm.skinny_gemm as skinny_mod  # noqa: E402
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache  # noqa: E402
 from kernels_rocm.activation import silu_and_mul  # noqa: E402
+from kernels_rocm.greedy_verify import greedy_verify  # noqa: E402
 from kernels_rocm.step_advance import advance, draft_starts  # noqa: E402
 from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kernels_rocm.rope_kv_cache import rope_write_kv_cache, rope_write_mla_kv_cache  # noqa: E402
@@ -288,6 +289,9 @@ CASES: dict[str, Callable[[str], None]] = {
     "draft starts B256": lambda _: draft_starts(_t(3, 200, dtype=torch.int64), _t(100, dtype=torch.int64),
                                                 _t(100, 6, dtype=torch.int64), _t(256, dtype=torch.int64),
                                                 _t(256, dtype=torch.int64), 4),
+    "greedy verify k 5 B64": lambda _: greedy_verify(_t(384, dtype=torch.int64), _t(320, dtype=torch.int64),
+                                                     _t(64, 6, dtype=torch.int64), _t(64, 5, dtype=torch.int64),
+                                                     _t(64, 5, dtype=torch.bool)),
     "RMSNorm H7168": lambda _: rms_norm(_t(64, 7168), _t(7168), 1e-6),
     "add+RMSNorm H7168": lambda _: fused_add_rms_norm(_t(64, 7168), _t(64, 7168), _t(7168), 1e-6),
 }

@@ -8,6 +8,8 @@ generator, so a seeded request gets the same tokens whatever else shares its bat
 from __future__ import annotations
 
 import functools
+import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -189,9 +191,15 @@ class DraftLayout:
     row_start: np.ndarray  # [S] host: each sequence's first row
     row_index: torch.Tensor  # [S, K + 1]: the row scoring the token after s's first j drafts (clamped to s's last)
     valid: torch.Tensor  # [S, K]: j < num_drafts[s]
-    drafts: torch.Tensor  # [S, K] s's draft j (entries past its drafts are masked by `valid`)
+    draft_ids: torch.Tensor  # [D] every sequence's drafts, flattened
     draft_index: torch.Tensor  # [S, K]: where s's draft j sits in draft_ids (clamped; masked by `valid`)
     draft_rows: np.ndarray  # [D] host: the logits row that scores each draft, in draft_ids' order
+
+    @functools.cached_property
+    def drafts(self) -> torch.Tensor:
+        """[S, K] s's draft j (entries past its drafts are masked by `valid`); gathered when first
+        read (the greedy kernel reads draft_ids itself)."""
+        return self.draft_ids[self.draft_index] if self.draft_index.shape[1] else self.draft_ids.new_zeros(self.draft_index.shape)
 
     @classmethod
     def of(cls, logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor) -> "DraftLayout":
@@ -200,8 +208,7 @@ class DraftLayout:
             raise ValueError(f"logits has {num_rows} rows and draft_ids {draft_ids.numel()} tokens for "
                              f"{num_seqs} sequences with {sum(num_drafts)} drafts")
         row_start, row_index, valid, draft_index, draft_rows = _layout(tuple(num_drafts), logits.device)
-        drafts = draft_ids[draft_index] if width else draft_ids.new_zeros(num_seqs, 0)
-        return cls(row_start, row_index, valid, drafts, draft_index, draft_rows)
+        return cls(row_start, row_index, valid, draft_ids, draft_index, draft_rows)
 
     def plain(self, emitted: torch.Tensor) -> Verified:
         """`verified` when no sequence has a draft: each emits its one row's token (`emitted` [S])."""
@@ -268,16 +275,31 @@ def verify(logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor,
     layout = DraftLayout.of(logits, num_drafts, draft_ids)
     if processors is not None:
         logits = processors(logits)
-    if not layout.drafts.shape[1]:  # nothing to verify: plain sampling (the general path's ~15 ops on empty tensors skipped)
+    if not layout.valid.shape[1]:  # nothing to verify: plain sampling (the general path's ~15 ops on empty tensors skipped)
         return layout.plain(greedy_tokens(logits) if st.all_greedy else sample_from(processed_probs(logits, st), st, shared))
     if st.all_greedy and draft_probs is None:  # a host fact: no device read-back
         emitted = greedy_tokens(logits)
+        kernel = _greedy_verify_kernel(logits.device)
+        if kernel is not None:
+            tokens, accepted = kernel(emitted, draft_ids, layout.row_index, layout.draft_index, layout.valid)
+            return Verified(tokens, accepted, layout.row_index)
         accept = layout.valid & (layout.drafts == emitted[layout.row_index[:, :-1]])
     else:
         emitted, accepted_flat = _rejection_sample(logits, layout, draft_ids, st, shared, draft_probs)
         # a gather, not a boolean-mask assignment: that one reads the mask's count back to the host
         accept = layout.valid & accepted_flat[layout.draft_index] if accepted_flat.numel() else layout.valid.clone()
     return layout.verified(emitted, accept)
+
+
+@functools.cache
+def _greedy_verify_kernel(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """kernels_rocm.greedy_verify on a GPU with triton: one launch for what DraftLayout.verified does
+    in ~12 (None: the torch path, the CPU's)."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from kernels_rocm.greedy_verify import greedy_verify
+
+    return greedy_verify
 
 
 def _rejection_sample(logits: torch.Tensor, layout: DraftLayout, draft_ids: torch.Tensor, st: SamplingTensors,

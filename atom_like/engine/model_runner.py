@@ -155,11 +155,13 @@ class ModelRunner:
             counts = None if args.speculative_adaptive else [self.num_spec_tokens]
             self.graphs = DecodeGraphs(self.model, self.proposer, device, self.block_size, max_batch,
                                        self.max_blocks_per_seq, scratch_block=self.num_blocks, draft_counts=counts)
-        if device.type == "cuda":  # every verify width's and batch's step-input kernels now, not mid-serving
-            from kernels_rocm.step_advance import precompile
+        if device.type == "cuda":  # every verify width's and batch's step kernels now, not mid-serving
+            from kernels_rocm import greedy_verify, step_advance
 
-            precompile(device, self.num_spec_tokens + 1, self.block_size,
-                       args.max_num_seqs if self.num_spec_tokens else 0)
+            step_advance.precompile(device, self.num_spec_tokens + 1, self.block_size,
+                                    args.max_num_seqs if self.num_spec_tokens else 0)
+            if self.num_spec_tokens:
+                greedy_verify.precompile(device, self.num_spec_tokens)
         self.step_costs: StepCosts | None = self._step_costs() if self.num_spec_tokens else None
         self._profiler: tuple[torch.profiler.profile, str] | None = None  # recording, and where it goes
 
