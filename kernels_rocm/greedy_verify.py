@@ -2,7 +2,7 @@
 
 When every row of a step is greedy (model_ops.sampling.verify), a sequence accepts its drafts
 while each equals the argmax of the row before it, then emits the argmax of the row after the last
-one kept. In torch that is ~12 small kernels a step after the argmax (a gather of the drafts, the
+one kept. In torch that is ~16 small kernels a step after the argmax (a gather of the drafts, the
 comparison, a cumulative product, the emitted tokens' gathers, the padded token rows), all outside
 the decode graphs; a small model's steps are host-bound, so each launch is host time
 (docs/benchmarks.md section 11). Here one program per sequence does it.

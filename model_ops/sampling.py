@@ -293,8 +293,8 @@ def verify(logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor,
 
 @functools.cache
 def _greedy_verify_kernel(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """kernels_rocm.greedy_verify on a GPU with triton: one launch for what DraftLayout.verified does
-    in ~12 (None: the torch path, the CPU's)."""
+    """kernels_rocm.greedy_verify on a GPU with triton: one launch for what the comparison and
+    DraftLayout.verified do in ~16 (None: the torch path, the CPU's)."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return None
     from kernels_rocm.greedy_verify import greedy_verify

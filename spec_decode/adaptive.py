@@ -161,13 +161,11 @@ class StepCosts:
         return self.source.startswith(("measured", "cache"))
 
     def step_times(self, num_seqs: int) -> list[float]:
-        """Seconds of a step of num_seqs sequences for every k, 0..max_drafts (not to be modified:
-        within the buckets it is the table's own row)."""
+        """Seconds of a step of num_seqs sequences for every k, 0..max_drafts."""
         b = bucket_index(self.buckets, num_seqs)
-        if num_seqs <= self.buckets[b]:
-            return self.seconds[b]
         # past the largest bucket (eager steps): grow with the batch, as a verify step does
-        return [t * num_seqs / self.buckets[b] for t in self.seconds[b]]
+        grow = num_seqs / self.buckets[b] if num_seqs > self.buckets[b] else 1.0
+        return [t * grow for t in self.seconds[b]]
 
     @classmethod
     def fixed(cls, buckets: list[int], max_drafts: int) -> "StepCosts":
@@ -440,7 +438,6 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self.offset = DeviceOffset(costs.buckets)
         self._pending: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         self._merged = -1  # the last step merged into the tracker
-        self._measured = costs.measured
         self._held = (-1, -1, 0)  # (the step the choice holds until, its bucket, k)
 
     def observe(self, step: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
@@ -451,7 +448,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
 
     def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
         self.times.observe(num_seqs, k, host_seconds)
-        if self._measured:
+        if self.costs.measured:
             beyond = period_seconds - self.costs.step_times(num_seqs)[k]
             if period_seconds - host_seconds >= DeviceOffset.DEVICE_BOUND * period_seconds:
                 self.offset.observe(num_seqs, beyond)
@@ -463,7 +460,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         offset), raised to the host time observed, where the device time is measured (the fixed
         table's units are not seconds)."""
         device = self.costs.step_times(num_seqs)[: self.max_drafts + 1]
-        if not self._measured:
+        if not self.costs.measured:
             return device
         offset = self.offset.seconds(num_seqs)
         device = [d + offset for d in device]

@@ -22,6 +22,7 @@ import math
 import os
 from collections import deque
 from collections.abc import Callable
+from types import ModuleType
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,18 +61,12 @@ ProposerFactory = Callable[["ModelRunner"], Proposer]
 
 
 @functools.cache
-def _advance_kernel() -> Callable[..., None]:
-    """The one-kernel advance_followers (triton is installed wherever torch has CUDA or ROCm)."""
-    from kernels_rocm.step_advance import advance
+def _step_kernels() -> ModuleType:
+    """kernels_rocm.step_advance: advance_followers and draft_starts in one kernel each (triton is
+    installed wherever torch has CUDA or ROCm)."""
+    from kernels_rocm import step_advance
 
-    return advance
-
-
-def _draft_starts_kernel() -> Callable[..., None]:
-    """The one-kernel draft_starts."""
-    from kernels_rocm.step_advance import draft_starts as kernel
-
-    return kernel
+    return step_advance
 
 
 @dataclass
@@ -382,7 +377,7 @@ class ModelRunner:
         # one host-to-device copy of the three index rows, then one kernel on a GPU (~20 without)
         index = torch.tensor([[last.row_of[batch.seqs[b].request_id] for b in follow], follow,
                               host.query_start_loc[follow].tolist()]).to(self.device, non_blocking=True)
-        advance = _advance_kernel() if self.device.type == "cuda" else advance_followers
+        advance = _step_kernels().advance if self.device.type == "cuda" else advance_followers
         advance(index, last.num_accepted, last.token_ids, last.drafts, step.input_ids, step.positions,
                 step.meta.context_lens, step.meta.block_tables, step.meta.slot_mapping, self.block_size)
 
@@ -440,7 +435,7 @@ class ModelRunner:
         rows[2] = [0 if item.samples else item.next_token_id for item in batch.seqs]
         rows_t = torch.from_numpy(rows).to(self.device, non_blocking=True)
         verified = (sampled.verified.num_accepted, sampled.verified.token_ids) if sampled is not None else (None, None)
-        fill = _draft_starts_kernel() if self.device.type == "cuda" else draft_starts
+        fill = _step_kernels().draft_starts if self.device.type == "cuda" else draft_starts
         if graphed and batch.num_drafts and self.graphs.captures_draft:
             return self.graphs.replay_draft(fill, rows_t, *verified, batch.num_drafts)
         last_rows, next_tokens = torch.empty(2, b, dtype=torch.int64, device=self.device)
