@@ -94,23 +94,50 @@ class AcceptanceTracker:
 
     def __init__(self, max_drafts: int, decay: float = 0.95, prior: float = 0.7, prior_weight: float = 0.1):
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
-        self.reached = np.zeros(max_drafts)
-        self.accepted = np.zeros(max_drafts)
+        self._reached = np.zeros(max_drafts)
+        self._accepted = np.zeros(max_drafts)
+        # steps ended since the counts were last decayed: a step without verifications (k = 0) only
+        # decays, applied at once when the counts are next used, not as two numpy multiplies for
+        # each of the HOLD steps a choice ends
+        self._decays = 0
+
+    @property
+    def reached(self) -> np.ndarray:
+        self._settle()
+        return self._reached
+
+    @property
+    def accepted(self) -> np.ndarray:
+        self._settle()
+        return self._accepted
+
+    def _settle(self) -> None:
+        if self._decays:
+            factor = self.decay ** self._decays
+            self._reached *= factor
+            self._accepted *= factor
+            self._decays = 0
+
+    def skip(self, steps: int) -> None:
+        """End `steps` steps without verifications: decay only."""
+        self._decays += steps
 
     def end_step(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         """Decay, then add one step's verifications (sequence i drafted drafted[i], accepted the
         first accepted[i]). Counted with histograms, not per sequence and position: at batch 128,
         k = 5 the per-sequence calls and loops took 58 µs of host time a step, now 15 (observe and
         choose, the CPU machine of CI, 2026-11-27)."""
-        n = len(self.reached)
-        self.reached *= self.decay
-        self.accepted *= self.decay
+        self.skip(1)
+        if not drafted:
+            return
+        self._settle()
+        n = len(self._reached)
         if len(drafted) > 16:
             a = np.asarray(accepted, dtype=np.int64)
             # position i is reached by verifications with min(accepted + 1, drafted) > i, accepted by those with accepted > i
-            self.reached += _at_least(np.minimum(a + 1, np.asarray(drafted, dtype=np.int64)), n)
-            self.accepted += _at_least(a, n)
-        elif drafted:  # the same in Python: numpy's per-call cost is most of a small batch's (7 us against 3)
+            self._reached += _at_least(np.minimum(a + 1, np.asarray(drafted, dtype=np.int64)), n)
+            self._accepted += _at_least(a, n)
+        else:  # the same in Python: numpy's per-call cost is most of a small batch's (7 us against 3)
             reached, hits = [0] * (n + 1), [0] * (n + 1)
             for d, a in zip(drafted, accepted):
                 reached[min(a + 1, d)] += 1
@@ -118,12 +145,13 @@ class AcceptanceTracker:
             for i in range(n - 1, -1, -1):  # suffix sums over values > i
                 reached[i] += reached[i + 1]
                 hits[i] += hits[i + 1]
-            self.reached += reached[1:]
-            self.accepted += hits[1:]
+            self._reached += reached[1:]
+            self._accepted += hits[1:]
 
     def rates(self) -> list[float]:
         out, prior = [], self.prior
-        for reached, accepted in zip(self.reached.tolist(), self.accepted.tolist()):
+        self._settle()
+        for reached, accepted in zip(self._reached.tolist(), self._accepted.tolist()):
             prior = (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
             out.append(prior)
         return out
@@ -472,9 +500,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         bucket = bucket_index(self.costs.buckets, num_seqs)
         if step < until and bucket == held_bucket:
             return k
-        for s in range(self._merged + 1, step - 1):
-            self.tracker.end_step(*self._pending.pop(s, ((), ())))
-        self._merged = max(self._merged, step - 2)
+        upto = step - 2
+        if upto > self._merged:  # steps without verifications only decay: counted, not visited one by one
+            last = self._merged
+            for s in sorted(s for s in self._pending if s <= upto):
+                self.tracker.skip(s - last - 1)
+                self.tracker.end_step(*self._pending.pop(s))
+                last = s
+            self.tracker.skip(upto - last)
+            self._merged = upto
         gain = self.tracker.expected_accepted()
         times = self.step_times(max(num_seqs, 1))
         best, best_rate = 0, (1 + gain[0]) / times[0]
