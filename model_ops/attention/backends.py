@@ -17,6 +17,9 @@ Rotary embedding can ride along with the write (`write_rotated`): the reference 
 
 `scales` are a layer's fp8 KV-cache scales, 1-element fp32 device tensors: (k_scale, v_scale)
 for MHA, (scale,) for MLA's latent rows; None when the cache is not fp8 (MXFP4_CONTRACT.md).
+MHA reads every row through the cache, the step's own included (vLLM's FlashAttention backend
+does too); MLA's expanded (prefill) form takes the step's own rows unquantized (`fresh`, see
+MLAAttention.attend), its absorbed form reads them from the cache.
 """
 from __future__ import annotations
 

@@ -96,7 +96,8 @@ class MLAAttention(CachedAttention):
         With an fp8 cache the two forms read different values: the expanded form (prefill) attends
         this step's own rows unquantized and only earlier context (prefix-cache hits, earlier
         chunks) through fp8; the absorbed form (decode / verify) reads every row, its own
-        included, from the cache, as vLLM's decode does.
+        included, from the cache, as vLLM's decode does. The form is per step, so a decode row
+        batched with a prefill chunk sees its own row unquantized (vLLM splits such a batch).
 
         `absorbed` forces a form (tests compare the two); None picks it from the query length."""
         cache, backend = self._bound()
