@@ -68,8 +68,9 @@ def main() -> None:
         for suffix, run_args in runs:
             engine = LLMEngine.from_engine_args(run_args)
             row["dtype"] = str(engine.dtype)
+            tok = engine.tokenizer
             for s in SETS:
-                texts = [engine.tokenizer.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"][:cli.max_len]
+                texts = [tok.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"][:cli.max_len]
                          for c in perplexity.heldout_texts(s, cli.num)]
                 total, count = perplexity.nll(engine, texts, batch=8)
                 row[f"ppl_{s}{suffix}"] = math.exp(total / count)

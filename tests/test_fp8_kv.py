@@ -3,6 +3,7 @@ from the checkpoint (else 1.0 and one warning), the fp8 pools and scale tensors 
 of EAGLE3 drafts, and speculation over an fp8 cache staying lossless."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import shutil
@@ -113,14 +114,15 @@ def _expander(heads: int, latent: int, nope: int, v: int, g: torch.Generator):
 def test_expanded_mla_attends_the_steps_rows_unquantized(monkeypatch, budget):
     """Expanded MLA over an fp8 cache with `fresh` rows == the same attention over a float cache that
     holds the fresh rows at the step's own tokens and the dequantized entries for earlier context.
-    Sequences: a whole prompt, chunks over earlier context (prefix hit / earlier chunk), a lone row in
-    a mixed batch; a budget of 20 cuts sequences into one-row segments, some groups holding two of one sequence."""
+    Sequences: a whole prompt, chunks over earlier context (prefix hit / earlier chunk), a lone row
+    in a mixed batch; a score budget of 20 cuts them into one-row segments, a group holding two
+    segments of one sequence."""
     g = torch.Generator().manual_seed(3)
     heads, latent, rope, nope, v = 3, 12, 4, 6, 5
     ctx, qlen = [5, 11, 9, 23], [5, 4, 1, 13]
     meta = random_batch(ctx, qlen, 24, 4, g)
-    groups = list(torch_ref.segment_groups(meta, heads, budget))
-    assert budget == torch_ref.SCORE_BUDGET or len(groups) > 1 and any(len(x.seqs.unique()) < len(x.seqs) for x in groups)
+    if budget != torch_ref.SCORE_BUDGET:  # the cut this case is for
+        assert any(len(x.seqs.unique()) < len(x.seqs) for x in torch_ref.segment_groups(meta, heads, budget))
     original = torch_ref.segment_groups
     monkeypatch.setattr(torch_ref, "segment_groups", lambda m, n: original(m, n, budget))
     scale = torch.tensor([0.02])
@@ -159,8 +161,8 @@ def test_mla_layer_prefill_reads_only_earlier_context_through_fp8(backend):
     g = torch.Generator().manual_seed(4)
     ctx, qlen = [37, 20, 9], [37, 18, 1]  # a prompt, a chunk over a cached prefix, a decode row
     meta = random_batch(ctx, qlen, NUM_BLOCKS, BLOCK_SIZE, g)
-    layer, ref = make_layer(g), make_layer(torch.Generator().manual_seed(4))
-    ref.kv_b_proj.weight.copy_(layer.kv_b_proj.weight)
+    layer = make_layer(g)
+    ref = copy.deepcopy(layer)  # the same kv_b_proj, bound to a float cache
     norm = RMSNorm(LATENT)
     norm.weight.copy_(torch.rand(LATENT, generator=g) + 0.5)
     rotary = RotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=2), ROPE, interleaved=True)
