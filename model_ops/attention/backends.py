@@ -155,12 +155,12 @@ class MLABackend(AttentionBackend):
     the Triton kernel in the same launch, the reference by running the module.
     """
 
-    def write(self, cache: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+    def write(self, cache: torch.Tensor, rows: MLARows, slot_mapping: torch.Tensor,
               scales: KVScales = None, latent_norm: RMSNorm | None = None) -> None:
         torch_ref.write_cache(cache, torch.cat(mla_row_values(rows, latent_norm), dim=-1), slot_mapping,
                               _latent(scales))
 
-    def write_rotated(self, cache: torch.Tensor, q_pe: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
+    def write_rotated(self, cache: torch.Tensor, q_pe: torch.Tensor, rows: MLARows,
                       rotary: RotaryEmbedding, cos_sin: CosSin, slot_mapping: torch.Tensor,
                       scales: KVScales = None, latent_norm: RMSNorm | None = None) -> torch.Tensor:
         """Rotate q_pe [T, N, R] and the k_pe of rows = (latent, k_pe), write [latent | rope(k_pe)]
