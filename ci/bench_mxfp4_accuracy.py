@@ -1,19 +1,24 @@
 """tiny-kimi-mxfp4 (Quark MXFP4, released style) against tiny-kimi (bf16): held-out perplexity and
 EAGLE3 mean acceptance length at k = 3, each also with an fp8 KV cache, all through the engine.
 
-    python ci/bench_mxfp4_accuracy.py [--num 64] [--max-tokens 128] [--drafts tiny-kimi-eagle3,...]
+    python ci/bench_mxfp4_accuracy.py [--num 64] [--max-tokens 128] [--drafts tiny-kimi-eagle3,...] [--chunk 16]
         (results: $OUT/bench_mxfp4_accuracy.{json,md}; builds tiny-kimi-mxfp4 into the zoo cache first)
 
 Perplexity: atom_like.benchmarks.perplexity (held-out ShareGPT chats, GSM8K test Q+A, 512 tokens
-each). Acceptance: atom_like.benchmarks.acceptance (GSM8K test questions and held-out ShareGPT
-first turns, greedy, --max-tokens new tokens). Rows: tiny-kimi, tiny-kimi + fp8 KV (scale 1.0:
-its checkpoint has none), tiny-kimi-mxfp4 W4A4 (as the checkpoint says), + fp8 KV (the
-checkpoint's calibrated scales), and W4A16 (--mxfp4-activations unquantized). Each cell also
-gives the change against the first row; the goal is within 3%.
+each), each text prefilled in one step: with an fp8 cache a prefill attends its own tokens
+unquantized (as vLLM and SGLang do), so there the cache does not count. `--chunk N` adds the same
+perplexity with every text prefilled N tokens a step (--max-num-batched-tokens N); at N <= 16
+every chunk runs MLA's absorbed form, so every token attends all its context, its own row
+included, through the cache: what decode sees. Acceptance: atom_like.benchmarks.acceptance (GSM8K
+test questions and held-out ShareGPT first turns, greedy, --max-tokens new tokens). Rows:
+tiny-kimi, tiny-kimi + fp8 KV (scale 1.0: its checkpoint has none), tiny-kimi-mxfp4 W4A4 (as the
+checkpoint says), + fp8 KV (the checkpoint's calibrated scales), and W4A16 (--mxfp4-activations
+unquantized). Each cell also gives the change against the first row; the goal is within 3%.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -42,6 +47,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per acceptance prompt")
     ap.add_argument("--drafts", default="tiny-kimi-eagle3,tiny-kimi-eagle3-mla,tiny-kimi-eagle3.1-mla")
     ap.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))), help="rows to run (indices)")
+    ap.add_argument("--chunk", type=int, default=0, help="also perplexity with N-token prefill chunks (0: not)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     cli = ap.parse_args()
     os.makedirs(cli.out, exist_ok=True)
@@ -55,14 +61,20 @@ def main() -> None:
         label, model, kv, acts = CONFIGS[index]
         start = time.time()
         args = EngineArgs(model=model_path(model), kv_cache_dtype=kv, mxfp4_activations=acts, enforce_eager=True)
-        engine = LLMEngine.from_engine_args(args)
-        row = {"config": label, "dtype": str(engine.dtype), "device": device}
-        for s in SETS:
-            texts = [engine.tokenizer.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"][:cli.max_len]
-                     for c in perplexity.heldout_texts(s, cli.num)]
-            total, count = perplexity.nll(engine, texts, batch=8)
-            row[f"ppl_{s}"] = math.exp(total / count)
-        del engine
+        row = {"config": label, "device": device}
+        runs = [("", args)]
+        if cli.chunk:
+            runs.append((f"_chunk{cli.chunk}", dataclasses.replace(args, max_num_batched_tokens=cli.chunk)))
+        for suffix, run_args in runs:
+            engine = LLMEngine.from_engine_args(run_args)
+            row["dtype"] = str(engine.dtype)
+            tok = engine.tokenizer
+            for s in SETS:
+                texts = [tok.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"][:cli.max_len]
+                         for c in perplexity.heldout_texts(s, cli.num)]
+                total, count = perplexity.nll(engine, texts, batch=8)
+                row[f"ppl_{s}{suffix}"] = math.exp(total / count)
+            del engine
         for draft in drafts:
             spec_args = EngineArgs(model=args.model, kv_cache_dtype=kv, mxfp4_activations=acts,
                                    method="eagle3", draft_model=model_path(draft))
@@ -72,7 +84,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     base = rows[0]
-    keys = [f"ppl_{s}" for s in SETS] + [f"acc_{d}_{s}" for d in drafts for s in SETS]
+    chunked = [f"ppl_{s}_chunk{cli.chunk}" for s in SETS] if cli.chunk else []
+    keys = [f"ppl_{s}" for s in SETS] + chunked + [f"acc_{d}_{s}" for d in drafts for s in SETS]
     lines = [f"| config | {' | '.join(keys)} |", "|---" * (len(keys) + 1) + "|"]
     for row in rows:
         cells = [f"{row[k]:.3f} ({100 * (row[k] / base[k] - 1):+.1f}%)" if row is not base else f"{row[k]:.3f}"

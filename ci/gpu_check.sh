@@ -28,7 +28,8 @@
 # point; $BENCH_ADAPTIVE_ARGS passes flags (--policy-b FILE: a saved policy as one more mode).
 #
 # mxfp4_accuracy (not in the default set) builds tiny-kimi-mxfp4 into the zoo cache and measures its
-# accuracy against tiny-kimi, with and without fp8 KV (ci/bench_mxfp4_accuracy.py).
+# accuracy against tiny-kimi, with and without fp8 KV (ci/bench_mxfp4_accuracy.py; --chunk 16 adds
+# the perplexity through the cache, 16 prefill tokens a step).
 # gsm8k runs ci/nightly_gsm8k.sh on $GSM8K_ENTRIES (default: the SmolLM2 pair, with and without
 # speculation) against the zoo cache $ATOM_LIKE_CACHE (default /tmp/zoo_work/models, where
 # ci/train_zoo.sh leaves its models on a machine kept warm between calls); reports in $OUT/gsm8k.
@@ -84,7 +85,7 @@ for part in "${parts[@]}"; do
     adaptive) run bench_adaptive env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" \
              python3 ci/bench_adaptive.py ${BENCH_ADAPTIVE_ARGS:-} ;;
     roofline) run bench_roofline python3 ci/bench_roofline.py ${BENCH_ROOFLINE_ARGS:-} ;;
-    mxfp4_accuracy) run bench_mxfp4_accuracy python3 ci/bench_mxfp4_accuracy.py --out "$OUT" ;;
+    mxfp4_accuracy) run bench_mxfp4_accuracy python3 ci/bench_mxfp4_accuracy.py --chunk 16 --out "$OUT" ;;
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
   esac
 done

@@ -3,17 +3,21 @@ from the checkpoint (else 1.0 and one warning), the fp8 pools and scale tensors 
 of EAGLE3 drafts, and speculation over an fp8 cache staying lossless."""
 from __future__ import annotations
 
+import copy
+import importlib.util
 import logging
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_attention_reference import random_batch
 from test_llama_parity import PROMPTS
 
 from atom_like import LLMEngine, SamplingParams
 from model_ops.attention import torch_ref
 from model_ops.attention.metadata import AttentionMetadata
+from model_ops.quant.fp8 import quantize_fp8
 
 E4M3 = torch.float8_e4m3fn
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -64,7 +68,8 @@ def _meta(lens: list[int], block_size: int) -> AttentionMetadata:
 
 def test_fp8_reads_equal_a_float_cache_of_the_dequantized_values():
     """Attention over an fp8 cache == attention over a float cache holding entry * scale, for MHA
-    (K and V scales) and both MLA forms (one scale for the 576-style row)."""
+    (K and V scales) and both MLA forms (one scale for the 576-style row), every row read from the
+    cache (MLA's expanded form given no `fresh` rows: see the next test for what a layer passes)."""
     g = torch.Generator().manual_seed(1)
     meta = _meta([5, 11], block_size=4)
     t = 16
@@ -94,6 +99,98 @@ def test_fp8_reads_equal_a_float_cache_of_the_dequantized_values():
     q_nope = torch.randn(t, 3, 6, generator=g)
     assert torch.equal(torch_ref.mla_expanded_attention(q_nope, q_pe, rows, meta, 0.2, expand, scale),
                        torch_ref.mla_expanded_attention(q_nope, q_pe, dense_rows, meta, 0.2, expand))
+
+
+def _expander(heads: int, latent: int, nope: int, v: int, g: torch.Generator):
+    w = torch.randn(heads * (nope + v), latent, generator=g) * 0.3
+
+    def expand(x):
+        kv = (x @ w.T).view(*x.shape[:-1], heads, nope + v)
+        return kv[..., :nope], kv[..., nope:]
+    return expand
+
+
+@pytest.mark.parametrize("budget", [torch_ref.SCORE_BUDGET, 20])
+def test_expanded_mla_attends_the_steps_rows_unquantized(monkeypatch, budget):
+    """Expanded MLA over an fp8 cache with `fresh` rows == the same attention over a float cache that
+    holds the fresh rows at the step's own tokens and the dequantized entries for earlier context.
+    Sequences: a whole prompt, chunks over earlier context (prefix hit / earlier chunk), a lone row
+    in a mixed batch; a score budget of 20 cuts them into one-row segments, a group holding two
+    segments of one sequence."""
+    g = torch.Generator().manual_seed(3)
+    heads, latent, rope, nope, v = 3, 12, 4, 6, 5
+    ctx, qlen = [5, 11, 9, 23], [5, 4, 1, 13]
+    meta = random_batch(ctx, qlen, 24, 4, g)
+    if budget != torch_ref.SCORE_BUDGET:  # the cut this case is for
+        assert any(len(x.seqs.unique()) < len(x.seqs) for x in torch_ref.segment_groups(meta, heads, budget))
+    original = torch_ref.segment_groups
+    monkeypatch.setattr(torch_ref, "segment_groups", lambda m, n: original(m, n, budget))
+    scale = torch.tensor([0.02])
+    fp8 = quantize_fp8(torch.randn(24, 4, latent + rope, generator=g), scale, E4M3)  # earlier context
+    t = sum(qlen)
+    fresh = torch.randn(t, latent, generator=g) * 2, torch.randn(t, rope, generator=g) * 2
+    torch_ref.write_cache(fp8, torch.cat(fresh, -1), meta.slot_mapping, scale)  # the layer writes, then attends
+    dense = fp8.float() * scale
+    torch_ref.write_cache(dense, torch.cat(fresh, -1), meta.slot_mapping)
+    q_nope, q_pe = torch.randn(t, heads, nope, generator=g), torch.randn(t, heads, rope, generator=g)
+    expand = _expander(heads, latent, nope, v, g)
+
+    got = torch_ref.mla_expanded_attention(q_nope, q_pe, fp8, meta, 0.3, expand, scale, fresh)
+    assert torch.equal(got, torch_ref.mla_expanded_attention(q_nope, q_pe, dense, meta, 0.3, expand))
+    # not the old rule: the step's rows read back through fp8 give other numbers
+    assert not torch.allclose(got, torch_ref.mla_expanded_attention(q_nope, q_pe, fp8, meta, 0.3, expand, scale),
+                              rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mla_layer_prefill_reads_only_earlier_context_through_fp8(backend):
+    """The layer (kv_a_layernorm and RoPE riding along the write, as DeepseekV2Attention calls it)
+    over an fp8 cache: the expanded form equals the layer over a float cache holding the dequantized
+    earlier context, the rows it writes being the normalized, rotated step rows; the absorbed form
+    (decode / verify) still reads the step's own rows back through fp8. The Triton backend writes
+    with its fused kernel (interpreter on CPU) and inherits the reference's expanded form."""
+    from test_mla import BLOCK_SIZE, HEADS, LATENT, NOPE, NUM_BLOCKS, ROPE, make_layer
+    from transformers import LlamaConfig
+
+    from model_ops.attention.backends import TorchMLABackend, TritonMLABackend, mla_row_values
+    from model_ops.layernorm import RMSNorm
+    from model_ops.rotary import RotaryEmbedding
+
+    if backend == "triton" and importlib.util.find_spec("kernels_rocm.rope_kv_cache") is None:
+        pytest.skip("needs kernels_rocm (Triton)")
+    g = torch.Generator().manual_seed(4)
+    ctx, qlen = [37, 20, 9], [37, 18, 1]  # a prompt, a chunk over a cached prefix, a decode row
+    meta = random_batch(ctx, qlen, NUM_BLOCKS, BLOCK_SIZE, g)
+    layer = make_layer(g)
+    ref = copy.deepcopy(layer)  # the same kv_b_proj, bound to a float cache
+    norm = RMSNorm(LATENT)
+    norm.weight.copy_(torch.rand(LATENT, generator=g) + 0.5)
+    rotary = RotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=2), ROPE, interleaved=True)
+    positions = torch.cat([torch.arange(c - q, c) for c, q in zip(ctx, qlen)])
+    rope = (rotary, rotary.cos_sin(positions, torch.float32))
+    scale = torch.tensor([0.05])
+    old = quantize_fp8(torch.randn(NUM_BLOCKS, BLOCK_SIZE, LATENT + ROPE, generator=g), scale, E4M3)
+    t = sum(qlen)
+    q_nope, q_pe = torch.randn(t, HEADS, NOPE, generator=g), torch.randn(t, HEADS, ROPE, generator=g)
+    latent, k_pe = torch.randn(t, LATENT, generator=g) * 3, torch.randn(t, ROPE, generator=g)
+    layer.bind_kv_cache(old.clone(), TorchMLABackend() if backend == "torch" else TritonMLABackend(), (scale,))
+    ref.bind_kv_cache(old.float() * scale, TorchMLABackend())
+    args = (q_nope, q_pe, latent, k_pe, meta)
+
+    expanded = layer.attend(*args, absorbed=False, rope=rope, latent_norm=norm)
+    expected = ref.attend(*args, absorbed=False, rope=rope, latent_norm=norm)
+    if backend == "torch":
+        assert torch.equal(expanded, expected)
+    else:  # q_pe rotated by the kernel: fp32 rounding apart
+        torch.testing.assert_close(expanded, expected, rtol=1e-5, atol=1e-5)
+    if backend == "torch":  # the rows written are the ones attended unquantized, rounded to fp8
+        rows = torch.cat(mla_row_values((latent, k_pe), norm, rope), -1)
+        assert torch.equal(layer.kv_cache.flatten(0, 1)[meta.slot_mapping], quantize_fp8(rows, scale, E4M3))
+    # decode / verify: every row, the step's own included, as the fp8 cache holds it
+    absorbed = layer.attend(*args, absorbed=True, rope=rope, latent_norm=norm)
+    seen = layer.kv_cache.flatten(0, 1)[meta.slot_mapping].float() * scale
+    expected = ref.attend(q_nope, rotary.apply(q_pe, *rope[1]), seen[:, :LATENT], seen[:, LATENT:], meta, absorbed=True)
+    torch.testing.assert_close(absorbed, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_scale_and_cache_dtype_must_agree():
@@ -143,6 +240,46 @@ def test_engine_fp8_cache_uses_checkpoint_scales_and_rounds_like_the_reference(d
     assert torch.equal(stored, e4m3_round(ref_pool[0].flatten(0, 1)[rows] / 0.005))
     # an fp8 block holds a quarter of an fp32 block's bytes
     assert ref.runner.block_bytes == 4 * fp8.runner.block_bytes
+
+
+def _prompt_logprobs(engine: LLMEngine, prompt: list[int]) -> list[float]:
+    out = engine.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    return [lp.logprob for lp in out.prompt_logprobs[1:]]
+
+
+def test_fp8_prefill_attends_its_own_tokens_unquantized(deepseek):
+    """A prompt prefilled in one step scores exactly as with a float cache (fp32 both): every MLA
+    layer attends the step's own rows at model precision, only earlier context goes through fp8
+    (vLLM's and SGLang's MLA prefill). Cut into chunks of 24 (each > ABSORBED_MAX_QUERY_LEN rows, so
+    expanded too), the first chunk still scores as the float engine's same chunk, and later
+    chunks, which read the earlier ones back through fp8, do not."""
+    prompt = PROMPTS[3]  # 77 tokens
+    kw = dict(max_model_len=128, enforce_eager=True)
+    whole = _prompt_logprobs(LLMEngine(deepseek, **kw), prompt)
+    assert _prompt_logprobs(LLMEngine(deepseek, kv_cache_dtype="fp8", **kw), prompt) == whole
+    chunked = _prompt_logprobs(LLMEngine(deepseek, max_num_batched_tokens=24, **kw), prompt)
+    fp8_chunked = _prompt_logprobs(LLMEngine(deepseek, kv_cache_dtype="fp8", max_num_batched_tokens=24, **kw), prompt)
+    assert fp8_chunked[:24] == chunked[:24]
+    assert all(a != b for a, b in zip(fp8_chunked[24:], chunked[24:]))
+
+
+def test_fp8_prefill_after_a_prefix_cache_hit_reads_the_hit_through_fp8(deepseek):
+    """A prompt whose first 48 tokens hit the prefix cache prefills its 29 other tokens (expanded)
+    over the cached 48 as the fp8 cache holds them: its first token's logprob moves away from the
+    float engine's (same schedule), while the same prompt without the hit matches it exactly."""
+    prompt, params = PROMPTS[3], SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+
+    def first_logprob(kv: str, warm: bool) -> float:
+        engine = LLMEngine(deepseek, max_model_len=128, enforce_eager=True, kv_cache_dtype=kv)
+        if warm:
+            engine.generate([prompt[:48]], params, use_tqdm=False)
+        out = engine.generate([prompt], params, use_tqdm=False)[0]
+        assert engine.block_manager.num_hit_tokens == (48 if warm else 0)
+        return out.logprobs[0].logprob
+
+    assert first_logprob("fp8", warm=False) == first_logprob("auto", warm=False)
+    hit, float_hit = first_logprob("fp8", warm=True), first_logprob("auto", warm=True)
+    assert hit != float_hit
 
 
 @pytest.mark.parametrize("draft", ["mha", "mla"])

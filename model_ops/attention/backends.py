@@ -17,6 +17,9 @@ Rotary embedding can ride along with the write (`write_rotated`): the reference 
 
 `scales` are a layer's fp8 KV-cache scales, 1-element fp32 device tensors: (k_scale, v_scale)
 for MHA, (scale,) for MLA's latent rows; None when the cache is not fp8 (MXFP4_CONTRACT.md).
+MHA reads every row through the cache, the step's own included (vLLM's FlashAttention backend
+does too); MLA's expanded (prefill) form takes the step's own rows unquantized (`fresh`, see
+MLAAttention.attend), its absorbed form reads them from the cache.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ CosSin = tuple[torch.Tensor, torch.Tensor]
 AttentionKind = Literal["mha", "mla"]
 Role = Literal["target", "draft"]
 KVScales = tuple[torch.Tensor, ...] | None
+MLARows = tuple[torch.Tensor, torch.Tensor]  # (latent [T, L], k_pe [T, R]) of an MLA step
 BACKEND_CHOICES = ("auto", "torch", "triton", "aiter")
 
 
@@ -151,24 +155,19 @@ class MLABackend(AttentionBackend):
     the Triton kernel in the same launch, the reference by running the module.
     """
 
-    def write(self, cache: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+    def write(self, cache: torch.Tensor, rows: MLARows, slot_mapping: torch.Tensor,
               scales: KVScales = None, latent_norm: RMSNorm | None = None) -> None:
-        latent, k_pe = rows
-        if latent_norm is not None:
-            latent = latent_norm(latent)
-        torch_ref.write_cache(cache, torch.cat([latent, k_pe], dim=-1), slot_mapping, _latent(scales))
+        torch_ref.write_cache(cache, torch.cat(mla_row_values(rows, latent_norm), dim=-1), slot_mapping,
+                              _latent(scales))
 
-    def write_rotated(self, cache: torch.Tensor, q_pe: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
+    def write_rotated(self, cache: torch.Tensor, q_pe: torch.Tensor, rows: MLARows,
                       rotary: RotaryEmbedding, cos_sin: CosSin, slot_mapping: torch.Tensor,
                       scales: KVScales = None, latent_norm: RMSNorm | None = None) -> torch.Tensor:
         """Rotate q_pe [T, N, R] and the k_pe of rows = (latent, k_pe), write [latent | rope(k_pe)]
         (latent through `latent_norm` when given); return rope(q_pe). The eager reference; kernels
         override it."""
-        latent, k_pe = rows
-        q_pe = rotary.apply(q_pe, *cos_sin)
-        k_pe = rotary.apply(k_pe.unsqueeze(1), *cos_sin).squeeze(1)
-        self.write(cache, (latent, k_pe), slot_mapping, scales, latent_norm)
-        return q_pe
+        self.write(cache, mla_row_values(rows, rope=(rotary, cos_sin)), slot_mapping, scales, latent_norm)
+        return rotary.apply(q_pe, *cos_sin)
 
     @abstractmethod
     def attend_absorbed(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
@@ -178,14 +177,30 @@ class MLABackend(AttentionBackend):
 
     def attend_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, expand: torch_ref.LatentExpander,
-                        scales: KVScales = None) -> torch.Tensor:
+                        scales: KVScales = None, fresh: MLARows | None = None) -> torch.Tensor:
         """q_nope [T, N, P], q_pe [T, N, R] -> [T, N, V], context rows expanded through `expand`
-        (kv_b_proj). Backends without a prefill kernel inherit the reference."""
-        return torch_ref.mla_expanded_attention(q_nope, q_pe, cache, meta, scale, expand, _latent(scales))
+        (kv_b_proj). `fresh`: this step's rows at model precision (mla_row_values), attended in
+        place of their cached copies (torch_ref.mla_expanded_attention). Backends without a
+        prefill kernel inherit the reference."""
+        return torch_ref.mla_expanded_attention(q_nope, q_pe, cache, meta, scale, expand, _latent(scales), fresh)
 
 
 def _latent(scales: KVScales) -> torch.Tensor | None:
     return scales[0] if scales is not None else None
+
+
+def mla_row_values(rows: MLARows, latent_norm: RMSNorm | None = None,
+                   rope: tuple[RotaryEmbedding, CosSin] | None = None) -> MLARows:
+    """The values of latent cache rows before any fp8 rounding, from rows = (latent [T, L],
+    k_pe [T, R]): the latent through `latent_norm` and k_pe rotated by `rope` (rotary, cos/sin),
+    each when given. The eager form of what the Triton write kernels do inside."""
+    latent, k_pe = rows
+    if latent_norm is not None:
+        latent = latent_norm(latent)
+    if rope is not None:
+        rotary, cos_sin = rope
+        k_pe = rotary.apply(k_pe.unsqueeze(1), *cos_sin).squeeze(1)
+    return latent, k_pe
 
 
 class TorchMLABackend(MLABackend):
@@ -241,8 +256,8 @@ class AiterMLABackend(MLABackend):
     def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None, latent_norm=None):
         return self.fallback.write_rotated(cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales, latent_norm)
 
-    def attend_expanded(self, q_nope, q_pe, cache, meta, scale, expand, scales=None):
-        return self.fallback.attend_expanded(q_nope, q_pe, cache, meta, scale, expand, scales)
+    def attend_expanded(self, q_nope, q_pe, cache, meta, scale, expand, scales=None, fresh=None):
+        return self.fallback.attend_expanded(q_nope, q_pe, cache, meta, scale, expand, scales, fresh)
 
     def attend_absorbed(self, q_latent, q_pe, cache, meta, scale, scales=None):
         if not mla_takes(q_latent.dtype, q_latent.shape[0], meta.num_seqs, meta.max_query_len):

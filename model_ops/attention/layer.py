@@ -61,7 +61,9 @@ class PagedAttention(CachedAttention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 rope: Rope) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens, q and k not rotated yet -> [T, Hq, D].
-        The backend rotates q and k by `rope` as it writes the cache (one kernel on Triton)."""
+        The backend rotates q and k by `rope` as it writes the cache (one kernel on Triton). Over an
+        fp8 cache every key and value, this step's included, is read back dequantized, as vLLM's
+        FlashAttention backend does (unlike MLA prefill: MLAAttention.attend)."""
         cache, backend = self._bound()
         if not isinstance(backend, MHABackend):
             raise TypeError(f"MHA layer bound to {type(backend).__name__}, which is not an MHABackend")

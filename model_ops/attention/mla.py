@@ -13,6 +13,8 @@ per head, W_UK (P rows) then W_UV (V rows). Two exact ways to attend:
   P + R + V multiply-adds per head (320 for Kimi) instead of 2 L + R (1088), so long query runs
   are cheaper this way even after paying (P + V) L per head to expand each context row.
 
+With an fp8 cache, the expanded form attends the step's own rows at model precision (see `attend`).
+
 The form is chosen per step from `max_query_len` (host-side, so no sync): see ABSORBED_MAX_QUERY_LEN.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from model_ops import tp
-from model_ops.attention.backends import AttentionKind, MLABackend
+from model_ops.attention.backends import AttentionKind, MLABackend, mla_row_values
 from model_ops.attention.layer import CachedAttention, Rope
 from model_ops.attention.metadata import AttentionMetadata
 from model_ops.layernorm import RMSNorm
@@ -91,6 +93,12 @@ class MLAAttention(CachedAttention):
         `latent_norm` (kv_a_layernorm), the latent is not normalized yet: the backend normalizes
         it as it writes (the cached rows are all that read it).
 
+        With an fp8 cache the two forms read different values: the expanded form (prefill) attends
+        this step's own rows unquantized and only earlier context (prefix-cache hits, earlier
+        chunks) through fp8; the absorbed form (decode / verify) reads every row, its own
+        included, from the cache, as vLLM's decode does. The form is per step, so a decode row
+        batched with a prefill chunk sees its own row unquantized (vLLM splits such a batch).
+
         `absorbed` forces a form (tests compare the two); None picks it from the query length."""
         cache, backend = self._bound()
         if not isinstance(backend, MLABackend):
@@ -109,5 +117,11 @@ class MLAAttention(CachedAttention):
             out_latent = backend.attend_absorbed(q_latent, q_pe, cache, meta, self.scale, self.kv_scales)
             out = dense_per_head(out_latent, w_uv)  # [T, N, V]
         else:
-            out = backend.attend_expanded(q_nope, q_pe, cache, meta, self.scale, self.expand, self.kv_scales)
+            # An fp8 cache: the step's own rows are attended at model precision and only earlier
+            # context is read back through fp8, as vLLM's (_forward_prefill) and SGLang's MLA
+            # prefill do. The Triton write makes these values only inside its kernel, so they are
+            # made again here in torch (one norm and one rotation of [T, L + R]): only fp8 prefill
+            # pays it, since a float cache holds exactly them.
+            fresh = None if self.kv_scales is None else mla_row_values((latent, k_pe), latent_norm, rope)
+            out = backend.attend_expanded(q_nope, q_pe, cache, meta, self.scale, self.expand, self.kv_scales, fresh)
         return out.flatten(1)

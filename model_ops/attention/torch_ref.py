@@ -104,6 +104,7 @@ def padded_causal_attention(
 class SegmentGroup:
     rows: torch.Tensor  # flat query rows of this group, in order
     meta: AttentionMetadata  # the group as a batch of its own (slot_mapping unused)
+    seqs: torch.Tensor  # the step's sequence each segment is cut from
 
 
 def segment_groups(meta: AttentionMetadata, num_heads: int, budget: int = SCORE_BUDGET) -> Iterator[SegmentGroup]:
@@ -146,7 +147,7 @@ def _make_group(group, meta: AttentionMetadata, max_rows: int, max_ctx: int, dev
         max_query_len=max_rows,
         max_context_len=max_ctx,
     )
-    return SegmentGroup(rows, sub)
+    return SegmentGroup(rows, sub, seqs)
 
 
 def paged_attention(
@@ -189,17 +190,27 @@ def mla_absorbed_attention(
 def mla_expanded_attention(
     q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     expand: LatentExpander, kv_scale: torch.Tensor | None = None,
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """MLA in the expanded form: each group's context latent rows (dequantized to q's dtype when
     the cache is fp8) go through `expand` to per-head k_nope / v, keys are [k_nope | shared rope
-    part], and q = [q_nope | q_pe] attends causally with qk dim P + R and v dim V. Returns [T, N, V]."""
+    part], and q = [q_nope | q_pe] attends causally with qk dim P + R and v dim V. Returns [T, N, V].
+
+    `fresh` = (latent [T, L], k_pe [T, R]): this step's rows as written (normalized, rotated), at
+    model precision; they replace, in each sequence's context, the cached rows of the step's own
+    tokens, so only earlier context (prefix-cache hits, earlier chunks) is read through the cache.
+    MLAAttention passes them for an fp8 cache (vLLM's and SGLang's MLA prefill attend the new
+    tokens unquantized); a float cache already holds these values."""
     check_cache_scale(cache, kv_scale, "kv_scale")
     num_heads, rope_dim = q_pe.shape[1], q_pe.shape[2]
     latent_dim = cache.shape[-1] - rope_dim
     q = torch.cat([q_nope, q_pe], dim=-1)
+    step_rows = None if fresh is None else torch.cat(fresh, dim=-1).to(q.dtype)
     out: torch.Tensor | None = None
     for g in segment_groups(meta, num_heads):
         rows = read_rows(gather_cache(cache, g.meta.block_tables, g.meta.max_context_len), kv_scale, q.dtype)
+        if step_rows is not None:
+            overlay_step_rows(rows, step_rows, g, meta)
         k_nope, values = expand(rows[..., :latent_dim])
         k_pe = rows[..., None, latent_dim:].expand(-1, -1, num_heads, -1)
         keys = torch.cat([k_nope, k_pe.to(k_nope.dtype)], dim=-1)
@@ -209,3 +220,16 @@ def mla_expanded_attention(
         out[g.rows] = group_out
     assert out is not None, "an attention step has at least one query row"
     return out
+
+
+def overlay_step_rows(rows: torch.Tensor, step_rows: torch.Tensor, group: SegmentGroup,
+                      meta: AttentionMetadata) -> None:
+    """Overwrite, in a group's gathered context rows [G, S, D], the positions of the step's own
+    tokens with their `step_rows` [T, D] (flat, as the step's queries). Segment g, cut from sequence b,
+    sees the step's tokens at positions context_lens[b] - q_len[b] ..< its own context length;
+    the token at position p is the step's flat row query_start_loc[b] + p - (context_lens[b] - q_len[b])."""
+    first = (meta.context_lens - meta.query_lens).long()[group.seqs]  # the step's first position, per segment
+    pos = torch.arange(rows.shape[1], device=rows.device)[None, :]
+    own = (pos >= first[:, None]) & (pos < group.meta.context_lens.long()[:, None])
+    src = meta.query_start_loc.long()[group.seqs][:, None] + pos - first[:, None]
+    rows[own] = step_rows[src[own]]  # rows is a gathered copy, never the cache
