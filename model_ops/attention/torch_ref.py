@@ -231,5 +231,7 @@ def overlay_step_rows(rows: torch.Tensor, step_rows: torch.Tensor, group: Segmen
     first = (meta.context_lens - meta.query_lens).long()[group.seqs]  # the step's first position, per segment
     pos = torch.arange(rows.shape[1], device=rows.device)[None, :]
     own = (pos >= first[:, None]) & (pos < group.meta.context_lens.long()[:, None])
-    src = meta.query_start_loc.long()[group.seqs][:, None] + pos - first[:, None]
-    rows[own] = step_rows[src[own]]  # rows is a gathered copy, never the cache
+    src = (meta.query_start_loc.long()[group.seqs][:, None] + pos - first[:, None]).clamp(0, step_rows.shape[0] - 1)
+    # a select, not a boolean-mask assignment (that one reads the mask's count back to the host);
+    # rows is a gathered copy, never the cache
+    rows.copy_(torch.where(own[..., None], step_rows[src], rows))
