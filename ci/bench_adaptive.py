@@ -275,7 +275,7 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
         spec = SpecCounts(spec.num_drafts + w["spec"].num_drafts, 0, spec.num_accepted_tokens + w["spec"].num_accepted_tokens)
     tokens, seconds = sum(w["tokens"] for w in windows), sum(times)
     adaptive = policy is not None and not isinstance(policy, FixedDraftLength)
-    seen = policy.times.observed(num_seqs) if adaptive else {}  # the host times an adaptive policy priced by
+    seen = policy.times.observed(num_seqs) if adaptive else {}  # the step prices an adaptive policy chose by
     rounds = [w["tokens"] / sum(w["times"]) for w in windows]
     # The median over pairs of rounds (one forwards, the next backwards) of the pair's tokens over its
     # time. A pair puts every mode at the same mean position in the round, so a drift linear in time
@@ -295,7 +295,7 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
                 round_tokens_per_s=rounds, round_tokens=[w["tokens"] for w in windows],
                 round_median_step_ms=[statistics.median(w["times"]) * 1e3 for w in windows],
                 round_cpu_per_wall=[w["cpu_seconds"] / sum(w["times"]) for w in windows],
-                host_ms_by_k={k: 1e3 * t for k, t in seen.items()},
+                price_ms_by_k={k: 1e3 * t for k, t in seen.items()},
                 # an adaptive mode's every step (its k, its call's wall ms), window by window: what a
                 # change of k costs the steps after it (docs/benchmarks.md section 11)
                 steps=[[(k, round(t * 1e3, 4)) for k, t in zip(w["ks"], w["times"])] for w in windows] if adaptive else None,

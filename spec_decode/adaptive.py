@@ -10,15 +10,15 @@ step, the k that maximises expected tokens per second:
 - E[accepted | k] = sum_{j=1..k} prod_{i<j} a_i, from a_i, the running probability that draft
   position i is accepted when every position before it was (exponentially weighted per step,
   `AcceptanceTracker`). A position never reached borrows the estimate of the one before it.
-- T(batch, k) = max(device, host): the device time of a decode step that verifies k drafts and
+- T(batch, k) = max(device, observed): the device time of a decode step that verifies k drafts and
   proposes k more (the steady state), per graph batch bucket (`StepCosts`: measured at start-up
   by replaying the captured decode graphs, cached on disk; on CPU or without graphs a fixed
   table), plus what the running batch's device-bound steps took beyond that profile
   (`DeviceOffset`: the profile replays at the shortest context, and attention over long contexts
-  costs about the same at every k), and, where the device time was measured, the host time such
-  steps took on this engine (`StepTimes`: observed online, medians per bucket and k). A small
-  model's steps can be host-bound: every k then costs about the same period, which device time
-  alone would not show.
+  costs about the same at every k), and, where the device time was measured, the periods such
+  steps took on this engine (`StepTimes`: observed online, the lower quartile per bucket and k).
+  A small model's steps can be host-bound: every k then costs about the same period, which
+  device time alone would not show.
 
 Timing on an overlapped pipeline: the drafts a step verifies were proposed by the step before,
 so choosing k at the launch of step N decides what step N + 1 verifies. The host learns the
@@ -235,48 +235,47 @@ class StepCosts:
 
 
 class StepTimes:
-    """Host seconds of steady decode steps (k the same as the step before), per batch bucket and
-    k: the wall time from a step's launch call to the next one's, less the time the host spent
-    waiting for the device in between (StepClock measures it). A launch that blocks on the
-    device would count as host time; none does on the decode path (device-side sampling and
-    acceptance), and a price of max(device, host) is not raised by it anyway: such a host time
-    is at most the step's device time plus the host's own.
+    """Seconds of steady decode steps (the same k three launches in a row: StepClock), per batch
+    bucket and k: the period from a step's launch call to the next one's, which is what a step
+    costs whether the host or the device bounds it.
 
-    A step's host time at k is the median of those of the last WINDOW samples at (bucket, k)
-    within OUTLIER times the fastest, once MIN_SAMPLES exist. Why not all of them: a step's worst
-    noise is one-sided and large (a first-use compile: 87 ms samples among 1.7 ms steps on an
-    H100 host, 2026-11-27), and a plain median of the first three samples followed two such, which
-    priced that k out for good (nothing ran it again to correct the price); ordinary noise (20-60%)
-    stays inside the median.
+    A k's price is the lower quartile of its last WINDOW periods, once MIN_SAMPLES exist. Why a
+    low quantile, and why periods (2026-11-27, docs/benchmarks.md section 11, "Prices from the
+    fast phases"): the GPU host runs in phases 1.5-2x slower for tens to hundreds of steps, and
+    the policy leaves a k when its price rises, i.e. in such a phase, so a median of a k's last
+    samples kept the slow phase it was left in. On the SmolLM2 pair (H100) the ks the policy
+    had left were priced 40-140% above what fixed modes at those ks took, the policy locked in
+    on its running k (k = 4-5 at batch 1, T = 0, where k = 2 was 25% faster: 0.71x the best
+    fixed k in two runs), and which k that was changed from run to run. A lower quartile prices
+    every k at its fast-phase cost, so the ks compare as in one minute; one-sided noise (a
+    first-use compile: 87 ms among 1.7 ms steps) stays out of it. Host time alone (the period less
+    the host's waits, priced with max(device, host)) under-priced the ks whose steps are bound by
+    neither side: at batch 8 its lower quartile put k = 5 at 1.28 ms where its steps took 1.79.
+    Two A/B runs against the median of host times (batches 1, 8, 32, T = 0 and 1): worst point
+    0.94-0.95x the best fixed k against 0.71-0.90x, no worse at the 28 forced-acceptance points measured (8B shape, batches 1-128).
 
     A k without a price is interpolated, or extrapolated upwards (never below 0), from the two
     nearest priced ks (flat from a single one), and unknown below the lowest (step_times then
     uses its device time alone). The guesses are bold on purpose: a k that looks cheap is tried
-    and its samples price it, while a k that looks dear is never tried, so a wrong high price stands. Extrapolating down along the
-    slope of two noisy prices did that: at batch 32, temperature 1, k = 1 priced 3.73 ms and
-    k = 3 3.07 ms put k = 0 at 4.06 ms, and the policy never ran it, while fixed k = 0 ran 2.27 ms
-    and was the best mode (0.79x of it; SmolLM2 on an H100, 2026-11-27). In the modelled machines
-    of tests/test_adaptive_spec.py with host drift this was as good as the slope (mean over 40 runs
-    0.980x the best fixed k against 0.975x); prices that never fall with k (a running maximum)
-    scored the same alone but worse together with it (0.964x: one slow-phase price then lifts
-    every k), and prices that expire after 128 samples gained nothing (0.971x against 0.972x,
-    15 runs).
+    and its samples price it, while a k that looks dear is never tried, so a wrong high price
+    stands. Extrapolating down along the slope of two noisy prices did that: at batch 32,
+    temperature 1, k = 1 priced 3.73 ms and k = 3 3.07 ms put k = 0 at 4.06 ms, and the policy
+    never ran it, while fixed k = 0 ran 2.27 ms and was the best mode (0.79x of it; SmolLM2 on an
+    H100, 2026-11-27).
 
     Nor does a k cost more than OUTLIER^|k - j| times any other priced k j: a step grows with k by
     far less (the fixed modes' median steps at most 1.37x from one k to the next in three SmolLM2
     runs on H100s), and a price that stands apart so far came from a bad start. At batch 1 on the
     8B shape (2026-11-27, forced acceptance 4) k = 4's first three samples took 14.5 ms of host
     time where k = 3's took 1.4, and no later step ran k = 4 to correct it: 0.89x the best fixed k.
-    Capped (2.8 ms there) the device time decides again. With random 1.7-2x slow host phases added
-    to the modelled machine of tests/test_adaptive_spec.py (6 seeds; that harness was not kept) a
-    tighter cap (1.5, 1.3) cost up to 8%, this one nothing."""
+    Capped (2.8 ms there) the device time decides again."""
 
-    WINDOW, MIN_SAMPLES, OUTLIER = 16, 3, 2.0
+    WINDOW, MIN_SAMPLES, OUTLIER = 32, 3, 2.0
 
     def __init__(self, buckets: list[int]):
         self.buckets = list(buckets)
         self._samples: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=self.WINDOW))
-        # per bucket, {k: median} of the ks with MIN_SAMPLES samples, and {k: price}, the medians
+        # per bucket, {k: lower quartile} of the ks with MIN_SAMPLES samples, and {k: price}, those
         # capped, brought up to date when read (`_refresh`): observe runs at every steady step,
         # the policy reads every few (AdaptiveDraftLength.HOLD)
         self._medians: dict[int, dict[int, float]] = defaultdict(dict)
@@ -289,7 +288,7 @@ class StepTimes:
         self._dirty[b].add(k)
 
     def _refresh(self, b: int) -> None:
-        """Bucket b's medians and prices from its samples."""
+        """Bucket b's quartiles and prices from its samples."""
         dirty = self._dirty.pop(b, None)
         if dirty:
             medians = self._medians[b]
@@ -299,13 +298,13 @@ class StepTimes:
             self._prices[b] = _capped(medians, self.OUTLIER)
 
     def observed(self, num_seqs: int) -> dict[int, float]:
-        """{k: host seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
+        """{k: seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
         b = bucket_index(self.buckets, num_seqs)
         self._refresh(b)
         return dict(self._prices[b])
 
-    def host_times(self, num_seqs: int, max_k: int) -> list[float | None] | None:
-        """Host seconds of a step at k = 0..max_k, None below the lowest priced k (None for all:
+    def prices(self, num_seqs: int, max_k: int) -> list[float | None] | None:
+        """Seconds of a step at k = 0..max_k, None below the lowest priced k (None for all:
         nothing priced at this bucket)."""
         b = bucket_index(self.buckets, num_seqs)
         self._refresh(b)
@@ -317,10 +316,9 @@ class StepTimes:
 
 
 def _typical(values) -> float:
-    """The median of the values within StepTimes.OUTLIER times the smallest."""
+    """The lower quartile of the values (StepTimes: each k at its fast-phase cost)."""
     ordered = sorted(values)
-    n = bisect.bisect_right(ordered, StepTimes.OUTLIER * ordered[0])
-    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return ordered[(len(ordered) - 1) // 4]
 
 
 def _capped(medians: dict[int, float], factor: float) -> dict[int, float]:
@@ -475,7 +473,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             pending[1].extend(accepted)
 
     def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
-        self.times.observe(num_seqs, k, host_seconds)
+        self.times.observe(num_seqs, k, period_seconds)
         if self.costs.measured:
             beyond = period_seconds - self.costs.step_times(num_seqs)[k]
             if period_seconds - host_seconds >= DeviceOffset.DEVICE_BOUND * period_seconds:
@@ -485,15 +483,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
 
     def step_times(self, num_seqs: int) -> list[float]:
         """T(batch, k) for k = 0..max_drafts: device time (the profile plus the running batch's
-        offset), raised to the host time observed, where the device time is measured (the fixed
+        offset), raised to the period observed, where the device time is measured (the fixed
         table's units are not seconds)."""
         device = self.costs.step_times(num_seqs)[: self.max_drafts + 1]
         if not self.costs.measured:
             return device
         offset = self.offset.seconds(num_seqs)
         device = [d + offset for d in device]
-        host = self.times.host_times(num_seqs, self.max_drafts)
-        return device if host is None else [d if h is None else max(d, h) for d, h in zip(device, host)]
+        seen = self.times.prices(num_seqs, self.max_drafts)
+        return device if seen is None else [d if t is None else max(d, t) for d, t in zip(device, seen)]
 
     def choose(self, step: int, num_seqs: int) -> int:
         until, held_bucket, k = self._held

@@ -282,26 +282,29 @@ def test_costs_cache_round_trip(tmp_path, monkeypatch):
     assert back.step_times(5)[1] == 2.6 and back.step_times(16)[2] == pytest.approx(6.8)  # bucket 8; past it, scaled
 
 
-def test_step_times_medians_and_the_k_they_have_not_seen():
+def test_step_times_quartiles_and_the_k_they_have_not_seen():
     times = StepTimes([1, 8])
-    assert times.host_times(1, 7) is None
-    for t in (9.0, 1.2, 8.0):  # past twice the fastest is not counted: even two of the first three
+    assert times.prices(1, 7) is None
+    for t in (9.0, 1.2, 8.0):  # one-sided noise (a compile, a slow phase): the lower quartile ignores it
         times.observe(1, 2, t)
-    assert times.host_times(1, 7)[2] == 1.2
-    for t in (1.0, 1.5, 2.3):  # ordinary noise: the median of those within 2x of the fastest (1.0, 1.2, 1.5)
+    assert times.prices(1, 7)[2] == 1.2
+    for t in (1.0, 1.5, 2.3, 9.5, 9.5):  # the slow phase the policy left k = 2 in does not price it
         times.observe(1, 2, t)
-    assert times.host_times(1, 7)[2] == 1.2 and times.host_times(1, 7)[5] == 1.2  # one k seen: flat above it
-    assert times.host_times(1, 7)[:2] == [None, None]  # below the lowest priced k: unknown (device time alone)
-    assert times.host_times(8, 7) is None  # another bucket
+    assert times.prices(1, 7)[2] == 1.2 and times.prices(1, 7)[5] == 1.2  # one k seen: flat above it
+    assert times.prices(1, 7)[:2] == [None, None]  # below the lowest priced k: unknown (device time alone)
+    assert times.prices(8, 7) is None  # another bucket
     for _ in range(3):
         times.observe(1, 4, 2.0)
-    assert times.host_times(1, 7)[3] == pytest.approx(1.6)  # between two seen ks
-    assert times.host_times(1, 7)[5] == pytest.approx(2.4) and times.host_times(1, 7)[0] is None
+    assert times.prices(1, 7)[3] == pytest.approx(1.6)  # between two seen ks
+    assert times.prices(1, 7)[5] == pytest.approx(2.4) and times.prices(1, 7)[0] is None
     for _ in range(3):
         times.observe(1, 0, 3.0)
-    assert times.host_times(1, 7)[1] == pytest.approx(2.1)  # from the two nearest: k = 0 and 2
+    assert times.prices(1, 7)[1] == pytest.approx(2.1)  # from the two nearest: k = 0 and 2
     times.observe(1, 7, 100.0)  # fewer than MIN_SAMPLES: not used
-    assert times.host_times(1, 7)[7] == pytest.approx(2.0 + 0.4 * 3)
+    assert times.prices(1, 7)[7] == pytest.approx(2.0 + 0.4 * 3)
+    for _ in range(StepTimes.WINDOW):  # the last WINDOW samples only
+        times.observe(1, 2, 1.8)
+    assert times.prices(1, 7)[2] == 1.8
 
 
 def test_host_bound_steps_are_priced_by_their_host_time():
@@ -344,8 +347,8 @@ def test_a_k_below_every_priced_one_is_tried():
     for _ in range(3):
         policy.observe_step(32, 0, 2.27e-3, 2.27e-3)
     assert policy.step_times(32)[0] == 2.27e-3 and policy.choose(hold, 32) == 0  # 1 / 2.27 beats 1.25 / 3.07
-    for _ in range(3):
-        policy.observe_step(32, 0, 4.5e-3, 4.5e-3)  # had k = 0 been dear, its price would have said so
+    for _ in range(10):  # had k = 0 been dear (three quarters of its samples), its price would have said so
+        policy.observe_step(32, 0, 4.5e-3, 4.5e-3)
     assert policy.choose(2 * hold, 32) == 3
 
 
@@ -565,8 +568,8 @@ def test_device_offset_learns_from_device_bound_steps_only():
     for _ in range(3):
         policy.observe_step(1, 1, 3e-3, 3.1e-3)  # host-bound: the host waited 0.1 ms of 3.1
         policy.observe_step(1, 1, 3e-3, 4.5e-3)  # mostly host: waited 1.5 ms of 4.5 (an upper bound on the device)
-    # host time where priced; k = 0, below every priced k, its device time
-    assert policy.offset.seconds(1) == 0.0 and policy.step_times(1) == [1e-3, 3e-3]
+    # the periods' lower quartile where priced; k = 0, below every priced k, its device time
+    assert policy.offset.seconds(1) == 0.0 and policy.step_times(1) == [1e-3, 3.1e-3]
     for period in (5e-3, 5.5e-3, 9e-3):  # the host waited for the device: periods of 5-9 ms at k = 1
         policy.observe_step(1, 1, 1e-3, period)
     assert policy.offset.seconds(1) == pytest.approx(3.5e-3)  # median period less the profile's 2 ms
@@ -576,7 +579,8 @@ def test_device_offset_learns_from_device_bound_steps_only():
     policy.observe_step(1, 0, 3e-3, 4e-3)  # host-bound, 4 ms: the device took at most 3 ms beyond k = 0's 1 ms
     assert policy.offset.seconds(1) == pytest.approx(3e-3)  # samples 3.0, 3.5, 3.0 (was 7.0)
     policy.observe_step(1, 1, 1e-3, 1.5e-3)  # a period below the profile: nothing kept above 0
-    assert policy.offset.seconds(1) == 0.0 and policy.step_times(1) == pytest.approx([1e-3, 2e-3])
+    # (k = 1 at its periods' lower quartile, 3.1 ms, above its device time)
+    assert policy.offset.seconds(1) == 0.0 and policy.step_times(1) == pytest.approx([1e-3, 3.1e-3])
     fixed = AdaptiveDraftLength(1, StepCosts.fixed([1], 1))
     fixed.observe_step(1, 1, 1.0, 100.0)
     assert fixed.offset.seconds(1) == 0.0  # the table's units are not seconds
