@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spec_decode.adaptive import StepCosts  # noqa: E402
+from spec_decode.step_costs import StepCosts  # noqa: E402
 
 BUCKETS = [1, 2, 4, 8, 16, 24, 32]  # the SmolLM2 pair's graph buckets on an H100 (bench_adaptive's zoo part)
 

@@ -13,8 +13,8 @@ import pytest
 from oracle_proposer import OracleProposer, accept_first
 
 from atom_like import LLMEngine, SamplingParams
-from spec_decode.adaptive import (AcceptanceTracker, AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength,
-                                  StepClock, StepCosts, StepTimes, DeviceOffset)
+from spec_decode.adaptive import AcceptanceTracker, AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
+from spec_decode.step_costs import DeviceOffset, StepClock, StepCosts, StepTimes
 
 rng = np.random.default_rng(5)
 PROMPTS = [[int(x) for x in rng.integers(0, 128, n)] for n in (3, 21, 9)]
@@ -358,7 +358,7 @@ def test_step_clock_samples_steady_decode_periods(monkeypatch):
     (None) starts the count again."""
     entries = [0.0, 10.0, 25.0, 31.0, 40.0, 52.0, 60.0, 75.0, 80.0, 90.0, 95.0, 99.0, 107.0]
     now = iter(entries)
-    monkeypatch.setattr("spec_decode.adaptive.time.perf_counter", lambda: next(now))
+    monkeypatch.setattr("spec_decode.step_costs.time.perf_counter", lambda: next(now))
     clock = StepClock()
     samples = []
     calls = [((4, 2), 1.0), ((4, 2), 2.0), ((4, 2), 3.0), ((4, 2), 0.0), ((4, 3), 0.0), ((4, 3), 0.0), ((4, 3), 0.0),
@@ -481,7 +481,7 @@ def _simulate(policy_for, monkeypatch, device_ms, host_ms, accept, steps=600, ba
     what long contexts add to every k, which it does not see."""
     rng = np.random.default_rng(seed)
     now = [0.0]
-    monkeypatch.setattr("spec_decode.adaptive.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("spec_decode.step_costs.time.perf_counter", lambda: now[0])
     policy = policy_for(StepCosts([batch], [[device_ms(k) * 1e-3 for k in range(6)]], "measured on a model"))
     clock, ks, accepted, tokens, seconds = StepClock(), [0], [0] * batch, 0, 0.0
     for step in range(steps):

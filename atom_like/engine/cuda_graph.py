@@ -32,7 +32,7 @@ import torch
 from atom_like.engine.step_inputs import HostStep, StepBatch, StepInputs
 from atom_like.models.base import CausalLM
 from model_ops.attention.metadata import AttentionMetadata
-from spec_decode.adaptive import StepCosts
+from spec_decode.step_costs import StepCosts
 from spec_decode.proposer import ChainProposer, DraftState, ProposeInputs, Proposer
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from atom_like.engine.tp_executor import StepExecutor, make_executor
 from atom_like.loader.weights import check_checkpoint_files
 from atom_like.models.registry import target_model_class
 from atom_like.sampling_params import RequestOutput, SamplingParams, Span
-from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength, StepClock
+from spec_decode.adaptive import AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
+from spec_decode.step_costs import StepClock
 from spec_decode.stats import SpecStats
 
 logger = logging.getLogger(__name__)

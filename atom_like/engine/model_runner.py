@@ -46,7 +46,7 @@ from model_ops import tp
 from model_ops.attention.kv_builder import KVCacheBuilder, PagedKVCacheBuilder
 from model_ops.quant.fp8 import FP8_KV_DTYPES
 from model_ops.sampling import segment_ranks
-from spec_decode.adaptive import StepCosts
+from spec_decode.step_costs import StepCosts
 from spec_decode.proposer import ProposeInputs, Proposer
 
 logger = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ from atom_like.engine.step_inputs import StepBatch
 from atom_like.loader.quark import checkpoint_quantizer
 from atom_like.loader.weights import check_tp_slices
 from atom_like.models.registry import build_model, draft_model_class, target_model_class
-from spec_decode.adaptive import StepCosts
+from spec_decode.step_costs import StepCosts
 from model_ops import tp
 
 logger = logging.getLogger(__name__)

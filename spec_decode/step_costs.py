@@ -1,0 +1,291 @@
+"""What a decode step costs, for the adaptive draft length (spec_decode/adaptive.py): the device
+time per batch bucket and k, profiled at start-up (`StepCosts`), the periods steady steps took on
+this engine (`StepTimes`, timed by `StepClock`), and what the running batch's device-bound steps took
+beyond the profile (`DeviceOffset`). The policy's rate(k) divides expected tokens by these."""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from collections import defaultdict, deque
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
+
+
+def bucket_index(buckets: list[int], num_seqs: int) -> int:
+    """The smallest bucket holding num_seqs sequences (the largest past them all); buckets ascending."""
+    return min(bisect.bisect_left(buckets, num_seqs), len(buckets) - 1)
+
+
+@dataclass
+class StepCosts:
+    """Seconds (or any common unit) of a decode step at batch bucket `buckets[b]` that verifies k
+    drafts and proposes k: `seconds[b][k]`, k = 0..max_drafts."""
+    buckets: list[int]
+    seconds: list[list[float]]
+    source: str  # "measured on <device>", "cache <path>" or "fixed table"
+
+    @property
+    def measured(self) -> bool:
+        """Seconds measured on this device (now or cached), not a table in relative units."""
+        return self.source.startswith(("measured", "cache"))
+
+    def step_times(self, num_seqs: int) -> list[float]:
+        """Seconds of a step of num_seqs sequences for every k, 0..max_drafts."""
+        b = bucket_index(self.buckets, num_seqs)
+        # past the largest bucket (eager steps): grow with the batch, as a verify step does
+        grow = num_seqs / self.buckets[b] if num_seqs > self.buckets[b] else 1.0
+        return [t * grow for t in self.seconds[b]]
+
+    @classmethod
+    def fixed(cls, buckets: list[int], max_drafts: int) -> "StepCosts":
+        """Where nothing was measured (CPU, --enforce-eager): a plain step costs 1; each draft adds
+        a draft forward (0.06) and, growing with the batch, verify work (0.004 per sequence)."""
+        return cls(list(buckets), [[1.0 + k * (0.06 + 0.004 * n) for k in range(max_drafts + 1)] for n in buckets],
+                   "fixed table")
+
+    # ------------------------------------------------------------------ the on-disk cache
+
+    @staticmethod
+    def cache_path(key: dict) -> str:
+        root = os.environ.get("ATOM_LIKE_SPEC_COSTS_DIR") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "atom_like", "spec_costs")
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return os.path.join(root, f"{digest}.json")
+
+    @classmethod
+    def load(cls, key: dict) -> "StepCosts | None":
+        path = cls.cache_path(key)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if data.get("key") != key:  # a hash collision or an older format: measure again
+            return None
+        return cls(data["buckets"], data["seconds"], f"cache {path}")
+
+    def save(self, key: dict) -> None:
+        path = self.cache_path(key)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump({"key": key, **asdict(self)}, f)
+            os.replace(path + ".tmp", path)
+        except OSError as e:  # a read-only home costs a profile per start, nothing else
+            logger.warning("could not cache the decode step costs at %s: %s", path, e)
+
+
+class StepTimes:
+    """Seconds of steady decode steps (the same k three launches in a row: StepClock), per batch
+    bucket and k: the period from a step's launch call to the next one's, which is what a step
+    costs whether the host or the device bounds it.
+
+    A k's price is the lower quartile of its last WINDOW periods, once MIN_SAMPLES exist. Why a
+    low quantile, and why periods (2026-11-27, docs/benchmarks.md section 11, "Prices from the
+    fast phases"): the GPU host runs in phases 1.5-2x slower for tens to hundreds of steps, and
+    the policy leaves a k when its price rises, i.e. in such a phase, so a median of a k's last
+    samples kept the slow phase it was left in. On the SmolLM2 pair (H100) the ks the policy
+    had left were priced 40-140% above what fixed modes at those ks took, the policy locked in
+    on its running k (k = 4-5 at batch 1, T = 0, where k = 2 was 25% faster: 0.71x the best
+    fixed k in two runs), and which k that was changed from run to run. A lower quartile prices
+    every k at its fast-phase cost, so the ks compare as in one minute; one-sided noise (a
+    first-use compile: 87 ms among 1.7 ms steps) stays out of it. Host time alone (the period less
+    the host's waits, priced with max(device, host)) under-priced the ks whose steps are bound by
+    neither side: at batch 8 its lower quartile put k = 5 at 1.28 ms where its steps took 1.79.
+    Two A/B runs against the median of host times (batches 1, 8, 32, T = 0 and 1): worst point
+    0.94-0.95x the best fixed k against 0.71-0.90x, no worse at the 28 forced-acceptance points measured (8B shape, batches 1-128).
+
+    A k without a price is interpolated, or extrapolated upwards (never below 0), from the two
+    nearest priced ks (flat from a single one), and unknown below the lowest (step_times then
+    uses its device time alone). The guesses are bold on purpose: a k that looks cheap is tried
+    and its samples price it, while a k that looks dear is never tried, so a wrong high price
+    stands. Extrapolating down along the slope of two noisy prices did that: at batch 32,
+    temperature 1, k = 1 priced 3.73 ms and k = 3 3.07 ms put k = 0 at 4.06 ms, and the policy
+    never ran it, while fixed k = 0 ran 2.27 ms and was the best mode (0.79x of it; SmolLM2 on an
+    H100, 2026-11-27).
+
+    Nor does a k cost more than OUTLIER^|k - j| times any other priced k j: a step grows with k by
+    far less (the fixed modes' median steps at most 1.37x from one k to the next in three SmolLM2
+    runs on H100s), and a price that stands apart so far came from a bad start. At batch 1 on the
+    8B shape (2026-11-27, forced acceptance 4) k = 4's first three samples took 14.5 ms of host
+    time where k = 3's took 1.4, and no later step ran k = 4 to correct it: 0.89x the best fixed k.
+    Capped (2.8 ms there) the device time decides again."""
+
+    WINDOW, MIN_SAMPLES, OUTLIER = 32, 3, 2.0
+
+    def __init__(self, buckets: list[int]):
+        self.buckets = list(buckets)
+        self._samples: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=self.WINDOW))
+        # per bucket, {k: lower quartile} of the ks with MIN_SAMPLES samples, and {k: price}, those
+        # capped, brought up to date when read (`_refresh`): observe runs at every steady step,
+        # the policy reads every few (AdaptiveDraftLength.HOLD)
+        self._medians: dict[int, dict[int, float]] = defaultdict(dict)
+        self._prices: dict[int, dict[int, float]] = defaultdict(dict)
+        self._dirty: dict[int, set[int]] = defaultdict(set)  # per bucket, the ks sampled since
+
+    def observe(self, num_seqs: int, k: int, seconds: float) -> None:
+        b = bucket_index(self.buckets, num_seqs)
+        self._samples[b, k].append(seconds)
+        self._dirty[b].add(k)
+
+    def _refresh(self, b: int) -> None:
+        """Bucket b's quartiles and prices from its samples."""
+        dirty = self._dirty.pop(b, None)
+        if dirty:
+            medians = self._medians[b]
+            for k in dirty:
+                if len(self._samples[b, k]) >= self.MIN_SAMPLES:
+                    medians[k] = _typical(self._samples[b, k])
+            self._prices[b] = _capped(medians, self.OUTLIER)
+
+    def observed(self, num_seqs: int) -> dict[int, float]:
+        """{k: seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
+        b = bucket_index(self.buckets, num_seqs)
+        self._refresh(b)
+        return dict(self._prices[b])
+
+    def prices(self, num_seqs: int, max_k: int) -> list[float | None] | None:
+        """Seconds of a step at k = 0..max_k, None below the lowest priced k (None for all:
+        nothing priced at this bucket)."""
+        b = bucket_index(self.buckets, num_seqs)
+        self._refresh(b)
+        seen = self._prices[b]
+        if not seen:
+            return None
+        lowest = min(seen)
+        return [None if k < lowest else seen[k] if k in seen else _interpolate(seen, k) for k in range(max_k + 1)]
+
+
+def _typical(values) -> float:
+    """The lower quartile of the values (StepTimes: each k at its fast-phase cost)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 4]
+
+
+def _capped(medians: dict[int, float], factor: float) -> dict[int, float]:
+    """{k: min over priced j of medians[j] * factor^|k - j|}, in ascending k: one pass up, one down."""
+    ks = sorted(medians)
+    out = [medians[k] for k in ks]
+    for i in range(1, len(ks)):
+        out[i] = min(out[i], out[i - 1] * factor ** (ks[i] - ks[i - 1]))
+    for i in range(len(ks) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1] * factor ** (ks[i + 1] - ks[i]))
+    return dict(zip(ks, out))
+
+
+def _interpolate(seen: dict[int, float], k: int) -> float:
+    """From the two seen ks nearest k (ties: the lower), flat from a single one, never below 0."""
+    if len(seen) == 1:
+        return next(iter(seen.values()))
+    k0, k1 = sorted(seen, key=lambda kk: (abs(kk - k), kk))[:2]
+    return max(0.0, seen[k0] + (seen[k1] - seen[k0]) * (k - k0) / (k1 - k0))
+
+
+class DeviceOffset:
+    """Seconds a device-bound decode step of the running batch takes beyond the profile
+    (StepCosts), per batch bucket: the median of the last WINDOW samples of a step's period less
+    the profiled time of its k, from steps whose host waited at least DEVICE_BOUND of the period
+    for the device (there the period is the device's time; a host-bound period says nothing of
+    it). Why one offset for every k: the profile replays the graphs at the shortest context, and
+    what a long context adds (the target's and the draft's attention reading each sequence's KV
+    once, as many query rows as there are) is about the same at every k. On the 8B shape at batch
+    128 and ~2k-token contexts the steps took 9-13 ms more than the profile at k = 3, 4 and 5,
+    which moved the best k from 4 (profile) to 5 (2026-11-27, docs/benchmarks.md section 11).
+    Never below 0: a period cannot beat the device, so a negative sample is noise.
+
+    Device-bound means the host waited at least half the period. A period the host mostly
+    worked through is only an upper bound on the device's time, and as an offset it lifted every
+    k's price to the sampled k's period: with 10%, the SmolLM2 pair's host-bound steps at batch 64,
+    temperature 1 (4-5 ms periods, profile ~1 ms) taught offsets of 4.7-6.7 ms, which priced k = 0
+    at k = 2's period less 0.3 ms, and the policy drafted 86 of 120 steps where fixed k = 0 was
+    best (0.92x it; H100, 2026-11-27). The 8B shape's steps waited 68-90% of their periods.
+
+    A host-bound period still bounds the device's time from above (the device kept up), so it caps
+    the samples kept (`bound`): device-bound steps can be rare, and without the cap an offset learnt
+    in a slow minute stood for good (11.2 ms at batch 128, temperature 1, where the steps took
+    5-6 ms: every k then cost about the same, and the policy drafted 5 where k = 0 was best)."""
+
+    WINDOW, DEVICE_BOUND = 16, 0.5
+
+    def __init__(self, buckets: list[int]):
+        self.buckets = list(buckets)
+        self._samples: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=self.WINDOW))
+        self._medians: dict[int, float] = {}
+        # per bucket, the lowest bound since the samples were last clamped, and whether the median
+        # is stale: observe and bound run at every steady step, the median is taken when read
+        self._bounds: dict[int, float] = {}
+        self._stale: set[int] = set()
+
+    def observe(self, num_seqs: int, seconds: float) -> None:
+        b = bucket_index(self.buckets, num_seqs)
+        self._clamp(b)  # a bound holds for the samples kept when it came, not for later ones
+        self._samples[b].append(seconds)
+        self._stale.add(b)
+
+    def bound(self, num_seqs: int, seconds: float) -> None:
+        """The device took at most `seconds` beyond the profile: no kept sample stays above it."""
+        b = bucket_index(self.buckets, num_seqs)
+        if b in self._samples:
+            self._bounds[b] = min(seconds, self._bounds.get(b, seconds))
+
+    def _clamp(self, b: int) -> None:
+        bound = self._bounds.pop(b, None)
+        samples = self._samples.get(b)
+        if bound is not None and samples and max(samples) > bound:
+            self._samples[b] = deque((min(s, bound) for s in samples), maxlen=self.WINDOW)
+            self._stale.add(b)
+
+    def seconds(self, num_seqs: int) -> float:
+        b = bucket_index(self.buckets, num_seqs)
+        self._clamp(b)
+        if b in self._stale:
+            self._stale.discard(b)
+            self._medians[b] = max(0.0, statistics.median(self._samples[b]))
+        return self._medians.get(b, 0.0)
+
+
+class StepClock:
+    """Times the engine's steps for DraftLengthPolicy.observe_step: `begin` at every step call,
+    `waited` for each wait on the device (collect) inside it, `end` with the (sequences, k) of
+    the pure decode step the call launched (None: nothing, or a step with prompt chunks). `end`
+    returns a sample (sequences, k, host seconds, period) of the call before: its period (entry to
+    entry) less its waits, and the period, when the launches whose work that call did all ran the
+    same k: with overlap, call N collects step N - 1 (which verified what step N - 2 proposed: its
+    tokens to emit, detokenize and check) and launches step N (verifying step N - 1's drafts), so
+    k_{N-2} = k_{N-1} = k_N, with decode launches only in between. A sample taken right after a
+    change of k priced the new k by the old k's work: in the SmolLM2 runs of 2026-11-27 the policy's
+    k = 0, entered from k = 5 probes, was priced at 3.82 ms where fixed k = 0 ran 2.94 (batch 32,
+    temperature 1), so k = 0 lost to k = 5 where it was the best mode. (Without overlap call N
+    collects step N itself: the same rule is then one launch stricter than needed.)"""
+
+    STEADY = 3  # consecutive launches at one k before a call's sample counts
+
+    def __init__(self):
+        self._entry = self._wait = 0.0
+        self._last: tuple[float, int, int, float] | None = None  # (entry, sequences, k, wait) of the last launch
+        self._ks: deque[int] = deque(maxlen=self.STEADY)  # k of the latest consecutive decode launches
+
+    def begin(self) -> None:
+        self._entry, self._wait = time.perf_counter(), 0.0
+
+    def waited(self, seconds: float) -> None:
+        self._wait += seconds
+
+    def end(self, launched: tuple[int, int] | None) -> tuple[int, int, float, float] | None:
+        last, self._last = self._last, None
+        if launched is None:
+            self._ks.clear()
+            return None
+        steady = len(self._ks) == self.STEADY and len(set(self._ks)) == 1  # k_{N-2}, k_{N-1}, k_N of the call before
+        self._ks.append(launched[1])
+        self._last = (self._entry, *launched, self._wait)
+        if last is None or not steady:
+            return None
+        period = self._entry - last[0]
+        return last[1], last[2], period - last[3], period
