@@ -336,6 +336,15 @@ def tokens_per_request(args, num_modes: int, tokens_per_step: int) -> int:
     return (steps + args.warm + 2 * (args.settle + args.window) + 8) * tokens_per_step  # and k = 0's calibration turns
 
 
+def forced_tokens(args, k: int, m: int, num_adaptive: int) -> int:
+    """Tokens a request of a forced point (m drafts accepted) generates on the speculative engine at
+    most: each fixed k = j's turns at min(j, m) + 1 tokens a step, each adaptive policy's at m + 1,
+    and k = 0's calibration turns."""
+    turns = args.warm + args.rounds * (args.settle + args.window)
+    fixed = sum(min(j, m) + 1 for j in range(k + 1)) * turns
+    return fixed + num_adaptive * (m + 1) * (turns + args.adaptive_warm) + args.warm + 2 * (args.settle + args.window) + 8
+
+
 def run_forced(args, out: dict) -> None:
     from atom_like import LLMEngine, SamplingParams
 
@@ -353,9 +362,19 @@ def run_forced(args, out: dict) -> None:
     gc.collect()
     gc.freeze()  # as the server does once its engine is built
     out["meta"]["forced_step_costs"] = step_costs(spec)
+    pool = spec.block_manager.num_blocks * spec.block_manager.block_size
+    num_adaptive = len(policies_for(spec, args)) - (k + 1)
     for bs in batches:
         prompts = random_prompts(bs, args.prompt_len, shape["vocab_size"], bs)
         for m in ms:
+            # a point whose contexts would outgrow the KV pool (more modes, more accepted drafts) would
+            # preempt requests after minutes of turns: say so and go on with the next point
+            need = bs * (args.prompt_len + forced_tokens(args, k, m, num_adaptive))
+            if need > pool:
+                note = f"batch {bs}, m = {m}: {need} tokens of KV needed, the pool holds {pool}"
+                out["meta"].setdefault("forced_skipped", []).append(note)
+                print(f"forced {note}: skipped (fewer --rounds or modes fit)", flush=True)
+                continue
             set_m(m)
             for mode, r in interleaved(plain, spec, policies_for(spec, args), [prompts], params, args, f"b{bs}m{m}").items():
                 rows.append(dict(batch=bs, forced=m, mode=mode, **r))
@@ -481,10 +500,15 @@ def main(argv: list[str] | None = None) -> dict:
                          policy_b=args.policy_b,
                          command=" ".join(["python ci/bench_adaptive.py", *(sys.argv[1:] if argv is None else argv)])))
     start = time.perf_counter()
-    if "forced" in args.parts:
-        run_forced(args, out)
-    if "zoo" in args.parts:
-        run_zoo(args, out)
+    try:
+        if "forced" in args.parts:
+            run_forced(args, out)
+        if "zoo" in args.parts:
+            run_zoo(args, out)
+    except Exception as e:  # keep the points measured before the failure (each is whole), then fail
+        out["meta"]["error"] = f"{type(e).__name__}: {e}"
+        print(write_report(out, out_dir))
+        raise
     gc.unfreeze()  # the zoo part froze its engines' heaps; a caller's process gets its collector back
     out["meta"]["seconds"] = time.perf_counter() - start
     print(write_report(out, out_dir))

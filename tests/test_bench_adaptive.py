@@ -144,3 +144,14 @@ def test_policy_host_bench_runs():
     rows = bench_policy_host.main(["--steps", "200"])
     assert [(r["batch"], r["k"]) for r in rows] == [(1, 0), (1, 3), (32, 0), (32, 3)]
     assert all(0 < r["choose_us"] < 1e4 and 0 < r["observe_step_us"] < 1e4 for r in rows)
+
+
+def test_forced_points_that_outgrow_the_pool_are_known_before_they_run():
+    """The 8B forced part on an H100 (2026-11-27) with a second adaptive policy: the KV pool held 274,320
+    tokens and batch 128 preempted requests at m = 4 after minutes of turns. The estimate says so up front
+    (m = 3 fits, m = 4 and 5 do not), and with one adaptive policy every m fits, as every earlier run did."""
+    import argparse
+
+    args = argparse.Namespace(warm=6, rounds=6, settle=3, window=6, adaptive_warm=30)  # the defaults
+    need = {n: [128 * (64 + bench_adaptive.forced_tokens(args, 5, m, n)) for m in range(6)] for n in (1, 2)}
+    assert max(need[1]) <= 274_320 and need[2][3] <= 274_320 < need[2][4]
