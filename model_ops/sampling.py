@@ -203,7 +203,7 @@ class DraftLayout:
 
     @classmethod
     def of(cls, logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor) -> "DraftLayout":
-        num_seqs, width, num_rows = len(num_drafts), max(num_drafts, default=0), logits.shape[0]
+        num_seqs, num_rows = len(num_drafts), logits.shape[0]
         if sum(num_drafts) + num_seqs != num_rows or draft_ids.numel() != sum(num_drafts):
             raise ValueError(f"logits has {num_rows} rows and draft_ids {draft_ids.numel()} tokens for "
                              f"{num_seqs} sequences with {sum(num_drafts)} drafts")
@@ -285,7 +285,7 @@ def verify(logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor,
             return Verified(tokens, accepted, layout.row_index)
         accept = layout.valid & (layout.drafts == emitted[layout.row_index[:, :-1]])
     else:
-        emitted, accepted_flat = _rejection_sample(logits, layout, draft_ids, st, shared, draft_probs)
+        emitted, accepted_flat = _rejection_sample(logits, layout, st, shared, draft_probs)
         # a gather, not a boolean-mask assignment: that one reads the mask's count back to the host
         accept = layout.valid & accepted_flat[layout.draft_index] if accepted_flat.numel() else layout.valid.clone()
     return layout.verified(emitted, accept)
@@ -302,9 +302,10 @@ def _greedy_verify_kernel(device: torch.device) -> Callable[..., tuple[torch.Ten
     return greedy_verify
 
 
-def _rejection_sample(logits: torch.Tensor, layout: DraftLayout, draft_ids: torch.Tensor, st: SamplingTensors,
+def _rejection_sample(logits: torch.Tensor, layout: DraftLayout, st: SamplingTensors,
                       shared: torch.Generator, draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the token each row would emit [R], whether each draft is accepted [D])."""
+    draft_ids = layout.draft_ids
     device = logits.device
     p = processed_probs(logits, st)
     draft_rows = _to(layout.draft_rows, device)

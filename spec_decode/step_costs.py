@@ -125,7 +125,7 @@ class StepTimes:
         # per bucket, {k: lower quartile} of the ks with MIN_SAMPLES samples, and {k: price}, those
         # capped, brought up to date when read (`_refresh`): observe runs at every steady step,
         # the policy reads every few (AdaptiveDraftLength.HOLD)
-        self._medians: dict[int, dict[int, float]] = defaultdict(dict)
+        self._quartiles: dict[int, dict[int, float]] = defaultdict(dict)
         self._prices: dict[int, dict[int, float]] = defaultdict(dict)
         self._dirty: dict[int, set[int]] = defaultdict(set)  # per bucket, the ks sampled since
 
@@ -138,11 +138,11 @@ class StepTimes:
         """Bucket b's quartiles and prices from its samples."""
         dirty = self._dirty.pop(b, None)
         if dirty:
-            medians = self._medians[b]
+            quartiles = self._quartiles[b]
             for k in dirty:
                 if len(self._samples[b, k]) >= self.MIN_SAMPLES:
-                    medians[k] = _typical(self._samples[b, k])
-            self._prices[b] = _capped(medians, self.OUTLIER)
+                    quartiles[k] = _typical(self._samples[b, k])
+            self._prices[b] = _capped(quartiles, self.OUTLIER)
 
     def observed(self, num_seqs: int) -> dict[int, float]:
         """{k: seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
@@ -168,10 +168,10 @@ def _typical(values) -> float:
     return ordered[(len(ordered) - 1) // 4]
 
 
-def _capped(medians: dict[int, float], factor: float) -> dict[int, float]:
-    """{k: min over priced j of medians[j] * factor^|k - j|}, in ascending k: one pass up, one down."""
-    ks = sorted(medians)
-    out = [medians[k] for k in ks]
+def _capped(typical: dict[int, float], factor: float) -> dict[int, float]:
+    """{k: min over priced j of typical[j] * factor^|k - j|}, in ascending k: one pass up, one down."""
+    ks = sorted(typical)
+    out = [typical[k] for k in ks]
     for i in range(1, len(ks)):
         out[i] = min(out[i], out[i - 1] * factor ** (ks[i] - ks[i - 1]))
     for i in range(len(ks) - 2, -1, -1):

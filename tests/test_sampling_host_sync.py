@@ -86,6 +86,6 @@ def test_a_step_without_drafts_samples_as_the_verification_did():
     fast = verify(logits, [0, 0, 0], no_drafts, st, fast_shared)
     fast_seeded = seeded.get_state()
     seeded.set_state(seeded_state)
-    emitted, _ = _rejection_sample(logits, DraftLayout.of(logits, [0, 0, 0], no_drafts), no_drafts, st, slow_shared, None)
+    emitted, _ = _rejection_sample(logits, DraftLayout.of(logits, [0, 0, 0], no_drafts), st, slow_shared, None)
     assert fast.token_ids[:, 0].tolist() == emitted.tolist() and fast.num_accepted.tolist() == [0, 0, 0]
     assert torch.equal(fast_shared.get_state(), slow_shared.get_state()) and torch.equal(fast_seeded, seeded.get_state())

@@ -22,8 +22,8 @@ import math
 import os
 from collections import deque
 from collections.abc import Callable
-from types import ModuleType
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch

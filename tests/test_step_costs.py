@@ -1,0 +1,67 @@
+"""What a decode step costs (spec_decode/step_costs.py): the device profile's on-disk cache, the
+observed periods' prices, and the clock that samples steady decode steps. The policy that reads
+them is tested in tests/test_adaptive_spec.py."""
+from __future__ import annotations
+
+import pytest
+
+from spec_decode.step_costs import StepClock, StepCosts, StepTimes
+
+
+def test_costs_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATOM_LIKE_SPEC_COSTS_DIR", str(tmp_path))
+    key = dict(model="m", device="d", k=2)
+    assert StepCosts.load(key) is None
+    costs = StepCosts([1, 8], [[1.0, 1.2, 1.5], [2.0, 2.6, 3.4]], "measured on d")
+    costs.save(key)
+    back = StepCosts.load(key)
+    assert (back.buckets, back.seconds) == (costs.buckets, costs.seconds) and back.source.startswith("cache ")
+    assert StepCosts.load(dict(key, k=3)) is None
+    assert back.step_times(5)[1] == 2.6 and back.step_times(16)[2] == pytest.approx(6.8)  # bucket 8; past it, scaled
+
+
+def test_step_times_quartiles_and_the_k_they_have_not_seen():
+    times = StepTimes([1, 8])
+    assert times.prices(1, 7) is None
+    for t in (9.0, 1.2, 8.0):  # one-sided noise (a compile, a slow phase): the lower quartile ignores it
+        times.observe(1, 2, t)
+    assert times.prices(1, 7)[2] == 1.2
+    for t in (1.0, 1.5, 2.3, 9.5, 9.5):  # the slow phase the policy left k = 2 in does not price it
+        times.observe(1, 2, t)
+    assert times.prices(1, 7)[2] == 1.2 and times.prices(1, 7)[5] == 1.2  # one k seen: flat above it
+    assert times.prices(1, 7)[:2] == [None, None]  # below the lowest priced k: unknown (device time alone)
+    assert times.prices(8, 7) is None  # another bucket
+    for _ in range(3):
+        times.observe(1, 4, 2.0)
+    assert times.prices(1, 7)[3] == pytest.approx(1.6)  # between two seen ks
+    assert times.prices(1, 7)[5] == pytest.approx(2.4) and times.prices(1, 7)[0] is None
+    for _ in range(3):
+        times.observe(1, 0, 3.0)
+    assert times.prices(1, 7)[1] == pytest.approx(2.1)  # from the two nearest: k = 0 and 2
+    times.observe(1, 7, 100.0)  # fewer than MIN_SAMPLES: not used
+    assert times.prices(1, 7)[7] == pytest.approx(2.0 + 0.4 * 3)
+    for _ in range(StepTimes.WINDOW):  # the last WINDOW samples only
+        times.observe(1, 2, 1.8)
+    assert times.prices(1, 7)[2] == 1.8
+
+
+def test_step_clock_samples_steady_decode_periods(monkeypatch):
+    """A call's sample counts when the launches whose work it did (the step it collects, verifying
+    the drafts of the one before, and the step it launches) ran one k; a step with prompt chunks
+    (None) starts the count again."""
+    entries = [0.0, 10.0, 25.0, 31.0, 40.0, 52.0, 60.0, 75.0, 80.0, 90.0, 95.0, 99.0, 107.0]
+    now = iter(entries)
+    monkeypatch.setattr("spec_decode.step_costs.time.perf_counter", lambda: next(now))
+    clock = StepClock()
+    samples = []
+    calls = [((4, 2), 1.0), ((4, 2), 2.0), ((4, 2), 3.0), ((4, 2), 0.0), ((4, 3), 0.0), ((4, 3), 0.0), ((4, 3), 0.0),
+             ((4, 3), 0.0), (None, 0.0), ((4, 3), 0.0), ((4, 3), 0.0), ((4, 3), 0.0), ((4, 3), 0.0)]
+    for launched, wait in calls:
+        clock.begin()
+        clock.waited(wait)
+        samples.append(clock.end(launched))
+    # calls 2 and 3 ran after three launches at k = 2: (25 -> 31) less 3 s, (31 -> 40); call 4 launched
+    # k = 3, and calls 5 and 6 still collect steps that verified k = 2 drafts; 6 -> 7 is steady at
+    # k = 3; the prompt step (8) restarts the count: three more launches before a sample (11 -> 12)
+    assert samples == [None, None, None, (4, 2, 3.0, 6.0), (4, 2, 9.0, 9.0), None, None, (4, 3, 15.0, 15.0), None,
+                       None, None, None, (4, 3, 8.0, 8.0)]
