@@ -284,6 +284,14 @@ def verify(logits: torch.Tensor, num_drafts: list[int], draft_ids: torch.Tensor,
             tokens, accepted = kernel(emitted, draft_ids, layout.row_index, layout.draft_index, layout.valid)
             return Verified(tokens, accepted, layout.row_index)
         accept = layout.valid & (layout.drafts == emitted[layout.row_index[:, :-1]])
+    elif (kernel := _sampled_verify_kernel(logits.device, st, draft_probs)) is not None:
+        # the torch path's draws in its order (a uniform per draft, then the exponentials over every
+        # row), so that a seed gives the same tokens; the kernel does what ~30-50 small ops do after them
+        uniform = uniform_noise([None] * len(layout.draft_rows), None, shared, logits.device)
+        noise = exponential_noise(tuple(logits.shape), st.generators, None, shared, logits.device)
+        tokens, accepted = kernel(logits, st.temperature, uniform, noise, draft_ids, layout.row_index,
+                                  layout.draft_index, layout.valid)
+        return Verified(tokens, accepted, layout.row_index)
     else:
         emitted, accepted_flat = _rejection_sample(logits, layout, st, shared, draft_probs)
         # a gather, not a boolean-mask assignment: that one reads the mask's count back to the host
@@ -300,6 +308,27 @@ def _greedy_verify_kernel(device: torch.device) -> Callable[..., tuple[torch.Ten
     from kernels_rocm.greedy_verify import greedy_verify
 
     return greedy_verify
+
+
+def _sampled_verify_kernel(device: torch.device, st: SamplingTensors,
+                           draft_probs: torch.Tensor | None) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """kernels_rocm.sampled_verify on a GPU with triton, for the common sampled step, decided from host
+    facts: every row sampled (`any_greedy` False), no top-k / top-p (`sort_width` 0: p is the plain
+    softmax), q the draft's one-hot (`draft_probs` None) and every draw from the shared generator (no
+    seeded request: `shared_rows` None). Two launches for _rejection_sample's and
+    DraftLayout.verified's ~30-50 ops. None: the torch path (the CPU's, and every other step's)."""
+    if st.any_greedy or st.sort_width != 0 or draft_probs is not None or st.shared_rows is not None:
+        return None
+    return _sampled_kernel(device)
+
+
+@functools.cache
+def _sampled_kernel(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from kernels_rocm.sampled_verify import sampled_verify
+
+    return sampled_verify
 
 
 def _rejection_sample(logits: torch.Tensor, layout: DraftLayout, st: SamplingTensors,
