@@ -63,6 +63,7 @@ import kernels_rocm.skinny_gemm as skinny_mod  # noqa: E402
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache  # noqa: E402
 from kernels_rocm.activation import silu_and_mul  # noqa: E402
 from kernels_rocm.greedy_verify import greedy_verify  # noqa: E402
+from kernels_rocm.sampled_verify import sampled_verify  # noqa: E402
 from kernels_rocm.step_advance import advance, draft_starts  # noqa: E402
 from kernels_rocm.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kernels_rocm.rope_kv_cache import rope_write_kv_cache, rope_write_mla_kv_cache  # noqa: E402
@@ -292,6 +293,16 @@ CASES: dict[str, Callable[[str], None]] = {
     "greedy verify k 5 B64": lambda _: greedy_verify(_t(384, dtype=torch.int64), _t(320, dtype=torch.int64),
                                                      _t(64, 6, dtype=torch.int64), _t(64, 5, dtype=torch.int64),
                                                      _t(64, 5, dtype=torch.bool)),
+    # a sampled step's rows then its verified tokens (both launches): Kimi's vocabulary at batch 64, k 5,
+    # and SmolLM2's at batch 1, k 1, in bf16 and fp32 logits
+    "sampled verify k 5 B64 V163840": lambda _: sampled_verify(
+        _t(384, 163_840), _t(384, dtype=torch.float32), _t(320, dtype=torch.float32),
+        _t(384, 163_840, dtype=torch.float32), _t(320, dtype=torch.int64), _t(64, 6, dtype=torch.int64),
+        _t(64, 5, dtype=torch.int64), _t(64, 5, dtype=torch.bool)),
+    "sampled verify k 1 B1 V49152 fp32": lambda _: sampled_verify(
+        _t(2, 49_152, dtype=torch.float32), _t(2, dtype=torch.float32), _t(1, dtype=torch.float32),
+        _t(2, 49_152, dtype=torch.float32), _t(1, dtype=torch.int64), _t(1, 2, dtype=torch.int64),
+        _t(1, 1, dtype=torch.int64), _t(1, 1, dtype=torch.bool)),
     "RMSNorm H7168": lambda _: rms_norm(_t(64, 7168), _t(7168), 1e-6),
     "add+RMSNorm H7168": lambda _: fused_add_rms_norm(_t(64, 7168), _t(64, 7168), _t(7168), 1e-6),
 }

@@ -7,9 +7,6 @@ comparison, a cumulative product, the emitted tokens' gathers, the padded token 
 the decode graphs; a small model's steps are host-bound, so each launch is host time
 (docs/benchmarks.md section 11). Here one program per sequence does it.
 model_ops.sampling.DraftLayout.verified is the torch version: the CPU path and the oracle.
-
-A sampled step (kernels_rocm.sampled_verify) decides each draft's acceptance by rejection sampling
-first and passes it in (`accept`); the rest, the accepted prefix and the padded token rows, is this.
 """
 from __future__ import annotations
 
@@ -24,44 +21,42 @@ from kernels_rocm._util import check_same_device, check_tensor
 
 @triton.jit(do_not_specialize=["width"])
 def _greedy_verify_kernel(
-    emitted_ptr, draft_ids_ptr, row_index_ptr, draft_index_ptr, valid_ptr, accept_ptr, tokens_ptr, accepted_ptr,
-    width, W_PAD: tl.constexpr, SAMPLED: tl.constexpr, PDL: tl.constexpr,
+    emitted_ptr, draft_ids_ptr, row_index_ptr, draft_index_ptr, valid_ptr, tokens_ptr, accepted_ptr,
+    width, W_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     s = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, W_PAD)
     drafted = j < width
     valid = tl.load(valid_ptr + s * width + j, mask=drafted, other=0) != 0
-    index = tl.load(draft_index_ptr + s * width + j, mask=valid, other=0)
-    draft = tl.load(draft_ids_ptr + index, mask=valid, other=-1)
-    if SAMPLED:  # acceptance decided by rejection sampling, one flag per draft
-        hit = tl.load(accept_ptr + index, mask=valid, other=0) != 0
-    else:  # greedy: a draft is kept when it is the argmax of its row
-        rows = tl.load(row_index_ptr + s * (width + 1) + j, mask=j <= width, other=0)
-        hit = draft == tl.load(emitted_ptr + rows, mask=j <= width, other=-2)
-    # the first draft not accepted (or past the sequence's drafts) ends the run
-    kept = tl.min(tl.where(valid & hit, W_PAD, j), axis=0)
-    last = tl.load(emitted_ptr + tl.load(row_index_ptr + s * (width + 1) + kept))
+    draft = tl.load(draft_ids_ptr + tl.load(draft_index_ptr + s * width + j, mask=valid, other=0), mask=valid, other=-1)
+    rows = tl.load(row_index_ptr + s * (width + 1) + j, mask=j <= width, other=0)
+    argmax = tl.load(emitted_ptr + rows, mask=j <= width, other=-2)
+    store_verified(tokens_ptr, accepted_ptr, s, j, width, draft, valid & (draft == argmax), argmax, W_PAD)
+
+
+@triton.jit
+def store_verified(tokens_ptr, accepted_ptr, s, j, width, draft, accept, emitted, W_PAD: tl.constexpr):
+    """Sequence s's token row and accepted count from its drafts' `accept` flags (False past its
+    drafts) and the token each of its rows emits (`emitted`, by j = 0..width): what
+    DraftLayout.verified does. The first draft not accepted ends the run."""
+    kept = tl.min(tl.where(accept, W_PAD, j), axis=0)
+    last = tl.sum(tl.where(j == kept, emitted, 0), axis=0)
     tokens = tl.where(j < kept, draft, tl.where(j == kept, last, -1))
     tl.store(tokens_ptr + s * (width + 1) + j, tokens, mask=j <= width)
     tl.store(accepted_ptr + s, kept.to(tl.int64))
 
 
 def greedy_verify(emitted: torch.Tensor, draft_ids: torch.Tensor, row_index: torch.Tensor, draft_index: torch.Tensor,
-                  valid: torch.Tensor, accept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids [S, K + 1], accepted counts [S]) as DraftLayout.verified(emitted, accept) gives them,
-    in one launch. emitted [R] int64: the token each row emits; draft_ids [D]; row_index [S, K + 1],
-    draft_index / valid [S, K]: the layout; accept [D] int8 or bool: whether each draft (in draft_ids'
-    order) is accepted, None for a greedy step (a draft is accepted when it equals its row's argmax)."""
+                  valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [S, K + 1], accepted counts [S]) as DraftLayout.verified(emitted, accept) gives them
+    for a greedy step (accept: each draft equals its row's argmax), in one launch. emitted [R] int64:
+    each row's argmax; draft_ids [D]; row_index [S, K + 1], draft_index / valid [S, K]: the layout."""
     check_tensor("emitted", emitted, 1, (torch.int64,))
     check_tensor("draft_ids", draft_ids, 1, (torch.int64,))
     check_tensor("row_index", row_index, 2, (torch.int64,))
     check_tensor("draft_index", draft_index, 2, (torch.int64,))
-    check_same_device(emitted=emitted, draft_ids=draft_ids, row_index=row_index, draft_index=draft_index, valid=valid,
-                      accept=accept)
-    if accept is not None and (accept.shape != draft_ids.shape or accept.dtype not in (torch.int8, torch.bool)):
-        raise ValueError(f"accept {tuple(accept.shape)} {accept.dtype}: expected one int8 or bool flag per draft "
-                         f"{tuple(draft_ids.shape)}")
+    check_same_device(emitted=emitted, draft_ids=draft_ids, row_index=row_index, draft_index=draft_index, valid=valid)
     num_seqs, width = draft_index.shape
     if row_index.shape != (num_seqs, width + 1) or valid.shape != (num_seqs, width) or valid.dtype != torch.bool:
         raise ValueError(f"row_index {tuple(row_index.shape)}, draft_index {tuple(draft_index.shape)}, valid "
@@ -71,8 +66,7 @@ def greedy_verify(emitted: torch.Tensor, draft_ids: torch.Tensor, row_index: tor
     if num_seqs:
         _greedy_verify_kernel[(num_seqs,)](
             emitted, draft_ids, row_index.contiguous(), draft_index.contiguous(), valid.contiguous().view(torch.int8),
-            emitted if accept is None else accept.view(torch.int8), tokens, accepted, width,
-            W_PAD=triton.next_power_of_2(width + 1), SAMPLED=accept is not None, **pdl.launch_args(emitted.device))
+            tokens, accepted, width, W_PAD=triton.next_power_of_2(width + 1), **pdl.launch_args(emitted.device))
     return tokens, accepted
 
 

@@ -79,6 +79,20 @@ def test_kernel_gives_the_torch_paths_tokens(monkeypatch, num_drafts, vocab, see
     assert got.lists() == ref.lists()
 
 
+@pytest.mark.parametrize("num_drafts", [[1], [3, 0, 2]])
+def test_rows_split_into_many_chunks(monkeypatch, num_drafts):
+    """Few rows split the vocabulary into up to MAX_CHUNKS chunks (here 16-entry blocks, so that the
+    1,000-entry rows take 63 and 32 chunks, the merge's padding included)."""
+    import kernels_rocm.sampled_verify as sv
+
+    monkeypatch.setattr(sv, "BLOCK_V", 16)
+    logits, draft_ids = _step(num_drafts, 1000, 4)
+    st = _tensors(len(logits), 1000)
+    ref, got, calls = _both_paths(monkeypatch, logits, num_drafts, draft_ids, st, 4)
+    assert calls == 1 and torch.equal(got.token_ids, ref.token_ids)
+    assert torch.equal(got.num_accepted, ref.num_accepted)
+
+
 def test_bf16_logits_and_every_accepted_count(monkeypatch):
     """bf16 logits (upcast to fp32 in both paths); over seeds, every accepted count 0..K occurs."""
     num_drafts = [4] * 6
