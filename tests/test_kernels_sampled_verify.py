@@ -3,6 +3,7 @@ verify(), against its torch path (the CPU engine's, model_ops.sampling._rejectio
 DraftLayout.verified): the same generator seed must give the same tokens and accepted counts."""
 from __future__ import annotations
 
+import collections
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -10,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from chi_square import P_FLOOR, chi_square_pvalue  # noqa: E402
 
 import model_ops.sampling as sampling  # noqa: E402
@@ -184,3 +186,56 @@ def test_refuses_mismatched_noise():
 
 def test_precompile_launches():
     precompile(CPU, 3, (torch.float32, torch.bfloat16))
+
+
+class _Launches:
+    """Stands in for a kernel: counts its launches and runs nothing (for counting host work)."""
+
+    def __init__(self, counter: collections.Counter):
+        self.counter = counter
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.counter["launches"] += 1
+        return launch
+
+
+class _Ops(TorchDispatchMode):
+    """Non-view torch ops dispatched (ci/profile_host.py's OpCount convention): on a GPU each is about
+    one launch or copy, host time that a host-bound step pays."""
+
+    def __init__(self, counter: collections.Counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in _VIEWS:
+            self.counter["ops"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+_VIEWS = {"slice", "view", "select", "as_strided", "unsqueeze", "squeeze", "expand", "alias", "t", "transpose",
+          "permute", "_unsafe_view", "detach", "unbind", "split", "narrow", "_reshape_alias", "lift_fresh"}
+
+
+@pytest.mark.parametrize("num_drafts", [[1], [5] * 8])
+def test_the_kernel_path_dispatches_a_few_ops(monkeypatch, num_drafts):
+    """The host work verify() leaves on a GPU at temperature 1: torch ops plus kernel launches, the
+    torch path against the kernel path (its launches stubbed). The layout's cached, so warmed first."""
+    import kernels_rocm.sampled_verify as sv
+
+    logits, draft_ids = _step(num_drafts, 1000, 0)
+    st = _tensors(len(logits), 1000)
+    verify(logits, num_drafts, draft_ids, st, torch.Generator().manual_seed(0))  # the layout cache
+    counts = {}
+    for path in ("torch", "kernel"):
+        counter = collections.Counter()
+        if path == "kernel":
+            monkeypatch.setattr(sampling, "_sampled_kernel", lambda device: sampled_verify)
+            monkeypatch.setattr(sv, "_chunk_stats_kernel", _Launches(counter))
+            monkeypatch.setattr(sv, "_sampled_tokens_kernel", _Launches(counter))
+        with _Ops(counter):
+            verify(logits, num_drafts, draft_ids, st, torch.Generator().manual_seed(0))
+        counts[path] = counter["ops"] + counter["launches"]
+    print(f"num_drafts {num_drafts}: {counts}")
+    assert counts["kernel"] <= 12 < 30 <= counts["torch"], counts

@@ -151,12 +151,14 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.proposer, device, self.block_size, max_batch,
                                        self.max_blocks_per_seq, scratch_block=self.num_blocks, draft_counts=counts)
         if device.type == "cuda":  # every verify width's and batch's step kernels now, not mid-serving
-            from kernels_rocm import greedy_verify, step_advance
+            from kernels_rocm import greedy_verify, sampled_verify, step_advance
 
             step_advance.precompile(device, self.num_spec_tokens + 1, self.block_size,
                                     args.max_num_seqs if self.num_spec_tokens else 0)
             if self.num_spec_tokens:
                 greedy_verify.precompile(device, self.num_spec_tokens)
+                # the logits' dtype, and fp32 where logits processors upcast them
+                sampled_verify.precompile(device, self.num_spec_tokens, tuple(dict.fromkeys((dtype, torch.float32))))
         self.step_costs: StepCosts | None = self._step_costs() if self.num_spec_tokens else None
         self._profiler: tuple[torch.profiler.profile, str] | None = None  # recording, and where it goes
 
