@@ -299,7 +299,6 @@ def summarize(windows: list[dict], policy: DraftLengthPolicy | None, num_seqs: i
                 # an adaptive mode's every step (its k, its call's wall ms), window by window: what a
                 # change of k costs the steps after it (docs/benchmarks.md section 11)
                 steps=[[(k, round(t * 1e3, 4)) for k, t in zip(w["ks"], w["times"])] for w in windows] if adaptive else None,
-                device_offset_ms=1e3 * policy.offset.seconds(num_seqs) if adaptive and hasattr(policy, "offset") else None,
                 eager_steps=sum(w["eager_steps"] for w in windows), gc2=sum(w["gc2"] for w in windows),
                 gc2_ms=sum(w["gc2_ms"] for w in windows))
 

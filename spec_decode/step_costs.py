@@ -1,7 +1,7 @@
 """What a decode step costs, for the adaptive draft length (spec_decode/adaptive.py): the device
-time per batch bucket and k, profiled at start-up (`StepCosts`), the periods steady steps took on
-this engine (`StepTimes`, timed by `StepClock`), and what the running batch's device-bound steps took
-beyond the profile (`DeviceOffset`). The policy's rate(k) divides expected tokens by these."""
+time per batch bucket and k, profiled at start-up (`StepCosts`), and the periods steady steps took
+on this engine (`StepTimes`, timed by `StepClock`), which `anchored` extends to the ks not priced.
+The policy's rate(k) divides expected tokens by these."""
 from __future__ import annotations
 
 import bisect
@@ -9,7 +9,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import time
 from collections import defaultdict, deque
 from dataclasses import asdict, dataclass
@@ -94,28 +93,16 @@ class StepTimes:
     had left were priced 40-140% above what fixed modes at those ks took, the policy locked in
     on its running k (k = 4-5 at batch 1, T = 0, where k = 2 was 25% faster: 0.71x the best
     fixed k in two runs), and which k that was changed from run to run. A lower quartile prices
-    every k at its fast-phase cost, so the ks compare as in one minute; one-sided noise (a
-    first-use compile: 87 ms among 1.7 ms steps) stays out of it. Host time alone (the period less
-    the host's waits, priced with max(device, host)) under-priced the ks whose steps are bound by
-    neither side: at batch 8 its lower quartile put k = 5 at 1.28 ms where its steps took 1.79.
-    Two A/B runs against the median of host times (batches 1, 8, 32, T = 0 and 1): worst point
-    0.94-0.95x the best fixed k against 0.71-0.90x, no worse at the 28 forced-acceptance points measured (8B shape, batches 1-128).
-
-    A k without a price is interpolated, or extrapolated upwards (never below 0), from the two
-    nearest priced ks (flat from a single one), and unknown below the lowest (step_times then
-    uses its device time alone). The guesses are bold on purpose: a k that looks cheap is tried
-    and its samples price it, while a k that looks dear is never tried, so a wrong high price
-    stands. Extrapolating down along the slope of two noisy prices did that: at batch 32,
-    temperature 1, k = 1 priced 3.73 ms and k = 3 3.07 ms put k = 0 at 4.06 ms, and the policy
-    never ran it, while fixed k = 0 ran 2.27 ms and was the best mode (0.79x of it; SmolLM2 on an
-    H100, 2026-11-27).
+    every k at its fast-phase cost; one-sided noise (a first-use compile: 87 ms among 1.7 ms
+    steps) stays out of it. Host time alone (the period less the host's waits) under-priced the
+    ks whose steps are bound by neither side: at batch 8 its lower quartile put k = 5 at 1.28 ms
+    where its steps took 1.79.
 
     Nor does a k cost more than OUTLIER^|k - j| times any other priced k j: a step grows with k by
     far less (the fixed modes' median steps at most 1.37x from one k to the next in three SmolLM2
     runs on H100s), and a price that stands apart so far came from a bad start. At batch 1 on the
-    8B shape (2026-11-27, forced acceptance 4) k = 4's first three samples took 14.5 ms of host
-    time where k = 3's took 1.4, and no later step ran k = 4 to correct it: 0.89x the best fixed k.
-    Capped (2.8 ms there) the device time decides again."""
+    8B shape (2026-11-27, forced acceptance 4) k = 4's first three samples took 14.5 ms where
+    k = 3's took 1.4, and no later step ran k = 4 to correct it: 0.89x the best fixed k."""
 
     WINDOW, MIN_SAMPLES, OUTLIER = 32, 3, 2.0
 
@@ -150,17 +137,6 @@ class StepTimes:
         self._refresh(b)
         return dict(self._prices[b])
 
-    def prices(self, num_seqs: int, max_k: int) -> list[float | None] | None:
-        """Seconds of a step at k = 0..max_k, None below the lowest priced k (None for all:
-        nothing priced at this bucket)."""
-        b = bucket_index(self.buckets, num_seqs)
-        self._refresh(b)
-        seen = self._prices[b]
-        if not seen:
-            return None
-        lowest = min(seen)
-        return [None if k < lowest else seen[k] if k in seen else _interpolate(seen, k) for k in range(max_k + 1)]
-
 
 def _typical(values) -> float:
     """The lower quartile of the values (StepTimes: each k at its fast-phase cost)."""
@@ -179,75 +155,26 @@ def _capped(typical: dict[int, float], factor: float) -> dict[int, float]:
     return dict(zip(ks, out))
 
 
-def _interpolate(seen: dict[int, float], k: int) -> float:
-    """From the two seen ks nearest k (ties: the lower), flat from a single one, never below 0."""
-    if len(seen) == 1:
-        return next(iter(seen.values()))
-    k0, k1 = sorted(seen, key=lambda kk: (abs(kk - k), kk))[:2]
-    return max(0.0, seen[k0] + (seen[k1] - seen[k0]) * (k - k0) / (k1 - k0))
-
-
-class DeviceOffset:
-    """Seconds a device-bound decode step of the running batch takes beyond the profile
-    (StepCosts), per batch bucket: the median of the last WINDOW samples of a step's period less
-    the profiled time of its k, from steps whose host waited at least DEVICE_BOUND of the period
-    for the device (there the period is the device's time; a host-bound period says nothing of
-    it). Why one offset for every k: the profile replays the graphs at the shortest context, and
-    what a long context adds (the target's and the draft's attention reading each sequence's KV
-    once, as many query rows as there are) is about the same at every k. On the 8B shape at batch
-    128 and ~2k-token contexts the steps took 9-13 ms more than the profile at k = 3, 4 and 5,
-    which moved the best k from 4 (profile) to 5 (2026-11-27, docs/benchmarks.md section 11).
-    Never below 0: a period cannot beat the device, so a negative sample is noise.
-
-    Device-bound means the host waited at least half the period. A period the host mostly
-    worked through is only an upper bound on the device's time, and as an offset it lifted every
-    k's price to the sampled k's period: with 10%, the SmolLM2 pair's host-bound steps at batch 64,
-    temperature 1 (4-5 ms periods, profile ~1 ms) taught offsets of 4.7-6.7 ms, which priced k = 0
-    at k = 2's period less 0.3 ms, and the policy drafted 86 of 120 steps where fixed k = 0 was
-    best (0.92x it; H100, 2026-11-27). The 8B shape's steps waited 68-90% of their periods.
-
-    A host-bound period still bounds the device's time from above (the device kept up), so it caps
-    the samples kept (`bound`): device-bound steps can be rare, and without the cap an offset learnt
-    in a slow minute stood for good (11.2 ms at batch 128, temperature 1, where the steps took
-    5-6 ms: every k then cost about the same, and the policy drafted 5 where k = 0 was best)."""
-
-    WINDOW, DEVICE_BOUND = 16, 0.5
-
-    def __init__(self, buckets: list[int]):
-        self.buckets = list(buckets)
-        self._samples: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=self.WINDOW))
-        self._medians: dict[int, float] = {}
-        # per bucket, the lowest bound since the samples were last clamped, and whether the median
-        # is stale: observe and bound run at every steady step, the median is taken when read
-        self._bounds: dict[int, float] = {}
-        self._stale: set[int] = set()
-
-    def observe(self, num_seqs: int, seconds: float) -> None:
-        b = bucket_index(self.buckets, num_seqs)
-        self._clamp(b)  # a bound holds for the samples kept when it came, not for later ones
-        self._samples[b].append(seconds)
-        self._stale.add(b)
-
-    def bound(self, num_seqs: int, seconds: float) -> None:
-        """The device took at most `seconds` beyond the profile: no kept sample stays above it."""
-        b = bucket_index(self.buckets, num_seqs)
-        if b in self._samples:
-            self._bounds[b] = min(seconds, self._bounds.get(b, seconds))
-
-    def _clamp(self, b: int) -> None:
-        bound = self._bounds.pop(b, None)
-        samples = self._samples.get(b)
-        if bound is not None and samples and max(samples) > bound:
-            self._samples[b] = deque((min(s, bound) for s in samples), maxlen=self.WINDOW)
-            self._stale.add(b)
-
-    def seconds(self, num_seqs: int) -> float:
-        b = bucket_index(self.buckets, num_seqs)
-        self._clamp(b)
-        if b in self._stale:
-            self._stale.discard(b)
-            self._medians[b] = max(0.0, statistics.median(self._samples[b]))
-        return self._medians.get(b, 0.0)
+def anchored(prices: dict[int, float], device: list[float]) -> list[float]:
+    """Seconds of a step at every k of `device` (the profile's), from the priced ks: a priced k its
+    price; between two priced ks the line through them; past them the nearest one's price moved
+    by the profile's difference, never below the profile (a period cannot beat the device). Why the profile's difference and not the slope of two prices: the step's cost is not
+    linear in k. On the SmolLM2 pair at batch 128 (H100, 2026-11-27) k = 1 cost 3 ms more than
+    k = 0 and k = 5 only 0.9 ms more than k = 1; along the slope of k = 0 and 1 k = 4 looked
+    18 ms, and the policy never tried it (fixed k = 4: 9.0 ms, the best mode)."""
+    ks = sorted(prices)
+    out = []
+    for k, d in enumerate(device):
+        i = bisect.bisect_left(ks, k)
+        if i < len(ks) and ks[i] == k:
+            out.append(prices[k])
+        elif 0 < i < len(ks):
+            lo, hi = ks[i - 1], ks[i]
+            out.append(prices[lo] + (prices[hi] - prices[lo]) * (k - lo) / (hi - lo))
+        else:
+            near = ks[-1] if i else ks[0]
+            out.append(max(d, prices[near] + d - device[near]))
+    return out
 
 
 class StepClock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec_decode.step_costs import StepClock, StepCosts, StepTimes
+from spec_decode.step_costs import StepClock, StepCosts, StepTimes, anchored
 
 
 def test_costs_cache_round_trip(tmp_path, monkeypatch):
@@ -20,29 +20,31 @@ def test_costs_cache_round_trip(tmp_path, monkeypatch):
     assert back.step_times(5)[1] == 2.6 and back.step_times(16)[2] == pytest.approx(6.8)  # bucket 8; past it, scaled
 
 
-def test_step_times_quartiles_and_the_k_they_have_not_seen():
+def test_step_times_quartiles_and_caps():
     times = StepTimes([1, 8])
-    assert times.prices(1, 7) is None
+    assert times.observed(1) == {}
     for t in (9.0, 1.2, 8.0):  # one-sided noise (a compile, a slow phase): the lower quartile ignores it
         times.observe(1, 2, t)
-    assert times.prices(1, 7)[2] == 1.2
+    assert times.observed(1) == {2: 1.2}
     for t in (1.0, 1.5, 2.3, 9.5, 9.5):  # the slow phase the policy left k = 2 in does not price it
         times.observe(1, 2, t)
-    assert times.prices(1, 7)[2] == 1.2 and times.prices(1, 7)[5] == 1.2  # one k seen: flat above it
-    assert times.prices(1, 7)[:2] == [None, None]  # below the lowest priced k: unknown (device time alone)
-    assert times.prices(8, 7) is None  # another bucket
+    assert times.observed(1) == {2: 1.2} and times.observed(8) == {}  # another bucket
+    times.observe(1, 7, 100.0)  # fewer than MIN_SAMPLES: not priced
+    assert 7 not in times.observed(1)
     for _ in range(3):
-        times.observe(1, 4, 2.0)
-    assert times.prices(1, 7)[3] == pytest.approx(1.6)  # between two seen ks
-    assert times.prices(1, 7)[5] == pytest.approx(2.4) and times.prices(1, 7)[0] is None
-    for _ in range(3):
-        times.observe(1, 0, 3.0)
-    assert times.prices(1, 7)[1] == pytest.approx(2.1)  # from the two nearest: k = 0 and 2
-    times.observe(1, 7, 100.0)  # fewer than MIN_SAMPLES: not used
-    assert times.prices(1, 7)[7] == pytest.approx(2.0 + 0.4 * 3)
+        times.observe(1, 4, 6.0)  # far above k = 2: capped at OUTLIER^2 times its price
+    assert times.observed(1)[4] == pytest.approx(1.2 * StepTimes.OUTLIER ** 2)
     for _ in range(StepTimes.WINDOW):  # the last WINDOW samples only
         times.observe(1, 2, 1.8)
-    assert times.prices(1, 7)[2] == 1.8
+    assert times.observed(1)[2] == 1.8
+
+
+def test_anchored_guesses_from_the_priced_ks_and_the_profile():
+    device = [1.0, 1.2, 1.6, 1.7, 1.8, 2.0]
+    assert anchored({2: 3.0}, device) == pytest.approx([2.4, 2.6, 3.0, 3.1, 3.2, 3.4])  # moved by the profile
+    assert anchored({1: 1.1}, device)[0] == 1.0  # never below the device time
+    # between two priced ks the line through them; past them the nearest one moved by the profile
+    assert anchored({1: 5.0, 4: 8.0}, device) == pytest.approx([4.8, 5.0, 6.0, 7.0, 8.0, 8.2])
 
 
 def test_step_clock_samples_steady_decode_periods(monkeypatch):
