@@ -177,9 +177,9 @@ class Rotation(DraftLengthPolicy):
             mode, own = self._chooser[step]
             self.policies[mode].observe(own, drafted, accepted)
 
-    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
+    def observe_step(self, num_seqs: int, k: int, period_seconds: float) -> None:
         if self._fresh < 0:
-            self.policies[self.mode].observe_step(num_seqs, k, host_seconds, period_seconds)
+            self.policies[self.mode].observe_step(num_seqs, k, period_seconds)
 
 
 def window(engine, settle: int, steps: int) -> dict:

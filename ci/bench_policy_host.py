@@ -27,7 +27,7 @@ def measure(policy_class, batch: int, k_steady: int, steps: int) -> tuple[float,
         k = policy.choose(step, batch)
         if k:
             policy.observe(step, [k] * batch, [rng.randint(0, 1) for _ in range(batch)])
-        policy.observe_step(batch, step % 6 if step < 200 else k_steady, 1.2e-3 * rng.uniform(0.9, 1.1), 1.25e-3)
+        policy.observe_step(batch, step % 6 if step < 200 else k_steady, 1.25e-3 * rng.uniform(0.9, 1.1))
     choose = observe_step = 0.0
     for step in range(400, 400 + steps):
         start = time.perf_counter()
@@ -37,7 +37,7 @@ def measure(policy_class, batch: int, k_steady: int, steps: int) -> tuple[float,
             policy.observe(step, [k_steady] * batch, [rng.randint(0, k_steady) for _ in range(batch)])
         host = 1.2e-3 * rng.uniform(0.95, 1.05)
         start = time.perf_counter()
-        policy.observe_step(batch, k_steady, host, host + 0.05e-3)
+        policy.observe_step(batch, k_steady, host + 0.05e-3)
         observe_step += time.perf_counter() - start
     return choose / steps * 1e6, observe_step / steps * 1e6
 

@@ -12,8 +12,9 @@ step, the k that maximises expected tokens per second:
   `AcceptanceTracker`). A position never reached borrows the estimate of the one before it.
 - T(batch, k): what a step that verifies k drafts and proposes k more (the steady state) takes
   on this engine, per graph batch bucket: the periods such steps took (`StepTimes`: observed
-  online, the lower quartile per bucket and k), and for a k not priced a guess from the priced ks and the device time the start-up profile measured for every k
-  (`StepCosts`: replaying the captured decode graphs, cached on disk; `anchored`). Before
+  online, the lower quartile per bucket and k), and for a k not priced a guess from the priced
+  ks and the device time the start-up profile measured for every k (`StepCosts`: replaying the
+  captured decode graphs, cached on disk; `anchored`). Before
   anything is priced, and on CPU or without graphs (a fixed table), the profile alone. Periods,
   not device time: a small model's steps can be host-bound, and every k then costs about the
   same period, which device time alone would not show.
@@ -58,9 +59,9 @@ class DraftLengthPolicy(ABC):
     def observe(self, step: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         """Sequence i of step `step` verified drafted[i] drafts and accepted the first accepted[i]."""
 
-    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
-        """A steady decode step of `num_seqs` sequences at k drafts: the host's own time, and the
-        whole period to the next launch (host time plus the waits for the device)."""
+    def observe_step(self, num_seqs: int, k: int, period_seconds: float) -> None:
+        """A steady decode step of `num_seqs` sequences at k drafts took `period_seconds` from its
+        launch call to the next one's (host time plus the waits for the device)."""
 
 
 class FixedDraftLength(DraftLengthPolicy):
@@ -187,21 +188,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             pending[0].extend(drafted)
             pending[1].extend(accepted)
 
-    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
+    def observe_step(self, num_seqs: int, k: int, period_seconds: float) -> None:
         self.times.observe(num_seqs, k, period_seconds)
 
     def step_times(self, num_seqs: int) -> list[float]:
-        """T(batch, k) for k = 0..max_drafts (module note): a priced k its price, the others guessed
-        from the priced ones (`anchored`), and below every priced k its device time, the one bound
-        a period cannot beat. A guess from a priced k's period less the profile's difference kept
-        the host time that k = 0 skips (the draft's launches): at batch 8, T = 1 in the trace
-        simulator k = 0 looked 2.51 ms beside k = 1's 2.61, was never run, and took 2.29 (0.91x it)."""
+        """T(batch, k) for k = 0..max_drafts (module note)."""
         device = self.costs.step_times(num_seqs)[: self.max_drafts + 1]
         seen = self.times.observed(num_seqs) if self.costs.measured else {}
-        if not seen:  # the fixed table's units are not seconds: never mixed with periods
-            return device
-        lowest = min(seen)
-        return [d if k < lowest else guess for k, (d, guess) in enumerate(zip(device, anchored(seen, device)))]
+        # (the fixed table's units are not seconds: never mixed with periods)
+        return anchored(seen, device) if seen else device
 
     def choose(self, step: int, num_seqs: int) -> int:
         until, held_bucket, k = self._held

@@ -156,12 +156,18 @@ def _capped(typical: dict[int, float], factor: float) -> dict[int, float]:
 
 
 def anchored(prices: dict[int, float], device: list[float]) -> list[float]:
-    """Seconds of a step at every k of `device` (the profile's), from the priced ks: a priced k its
-    price; between two priced ks the line through them; past them the nearest one's price moved
-    by the profile's difference, never below the profile (a period cannot beat the device). Why the profile's difference and not the slope of two prices: the step's cost is not
-    linear in k. On the SmolLM2 pair at batch 128 (H100, 2026-11-27) k = 1 cost 3 ms more than
-    k = 0 and k = 5 only 0.9 ms more than k = 1; along the slope of k = 0 and 1 k = 4 looked
-    18 ms, and the policy never tried it (fixed k = 4: 9.0 ms, the best mode)."""
+    """Seconds of a step at every k of `device` (the start-up profile's), from the priced ks: a
+    priced k its price; between two priced ks the line through them; above them the highest priced
+    k's price moved by the profile's difference (never below the profile); below them the profile
+    alone, the one bound a period cannot beat, so the policy tries such a k and its samples price it.
+
+    Why the profile's difference and not the slope of two prices: a step's cost is not linear in k.
+    On the SmolLM2 pair at batch 128 (H100, 2026-11-27) k = 1 cost 3 ms more than k = 0 and k = 5
+    only 0.9 ms more than k = 1; along the slope of k = 0 and 1 k = 4 looked 18 ms, and the policy
+    never tried it (fixed k = 4: 9.0 ms, the best mode). Why not a priced k's period less the
+    profile's difference below it: that keeps the host time k = 0 skips (the draft's launches); at
+    batch 8, T = 1 in the trace simulator k = 0 then looked 2.51 ms beside k = 1's 2.61, was never
+    run, and took 2.29 (0.91x it)."""
     ks = sorted(prices)
     out = []
     for k, d in enumerate(device):
@@ -171,20 +177,20 @@ def anchored(prices: dict[int, float], device: list[float]) -> list[float]:
         elif 0 < i < len(ks):
             lo, hi = ks[i - 1], ks[i]
             out.append(prices[lo] + (prices[hi] - prices[lo]) * (k - lo) / (hi - lo))
+        elif i:
+            out.append(max(d, prices[ks[-1]] + d - device[ks[-1]]))
         else:
-            near = ks[-1] if i else ks[0]
-            out.append(max(d, prices[near] + d - device[near]))
+            out.append(d)
     return out
 
 
 class StepClock:
-    """Times the engine's steps for DraftLengthPolicy.observe_step: `begin` at every step call,
-    `waited` for each wait on the device (collect) inside it, `end` with the (sequences, k) of
-    the pure decode step the call launched (None: nothing, or a step with prompt chunks). `end`
-    returns a sample (sequences, k, host seconds, period) of the call before: its period (entry to
-    entry) less its waits, and the period, when the launches whose work that call did all ran the
-    same k: with overlap, call N collects step N - 1 (which verified what step N - 2 proposed: its
-    tokens to emit, detokenize and check) and launches step N (verifying step N - 1's drafts), so
+    """Times the engine's steps for DraftLengthPolicy.observe_step: `begin` at every step call, `end`
+    with the (sequences, k) of the pure decode step the call launched (None: nothing, or a step with
+    prompt chunks). `end` returns a sample (sequences, k, period) of the call before, its period
+    entry to entry, when the launches whose work that call did all ran the same k: with overlap,
+    call N collects step N - 1 (which verified what step N - 2 proposed: its tokens to emit,
+    detokenize and check) and launches step N (verifying step N - 1's drafts), so
     k_{N-2} = k_{N-1} = k_N, with decode launches only in between. A sample taken right after a
     change of k priced the new k by the old k's work: in the SmolLM2 runs of 2026-11-27 the policy's
     k = 0, entered from k = 5 probes, was priced at 3.82 ms where fixed k = 0 ran 2.94 (batch 32,
@@ -194,25 +200,21 @@ class StepClock:
     STEADY = 3  # consecutive launches at one k before a call's sample counts
 
     def __init__(self):
-        self._entry = self._wait = 0.0
-        self._last: tuple[float, int, int, float] | None = None  # (entry, sequences, k, wait) of the last launch
+        self._entry = 0.0
+        self._last: tuple[float, int, int] | None = None  # (entry, sequences, k) of the last launch
         self._ks: deque[int] = deque(maxlen=self.STEADY)  # k of the latest consecutive decode launches
 
     def begin(self) -> None:
-        self._entry, self._wait = time.perf_counter(), 0.0
+        self._entry = time.perf_counter()
 
-    def waited(self, seconds: float) -> None:
-        self._wait += seconds
-
-    def end(self, launched: tuple[int, int] | None) -> tuple[int, int, float, float] | None:
+    def end(self, launched: tuple[int, int] | None) -> tuple[int, int, float] | None:
         last, self._last = self._last, None
         if launched is None:
             self._ks.clear()
             return None
         steady = len(self._ks) == self.STEADY and len(set(self._ks)) == 1  # k_{N-2}, k_{N-1}, k_N of the call before
         self._ks.append(launched[1])
-        self._last = (self._entry, *launched, self._wait)
+        self._last = (self._entry, *launched)
         if last is None or not steady:
             return None
-        period = self._entry - last[0]
-        return last[1], last[2], period - last[3], period
+        return last[1], last[2], self._entry - last[0]

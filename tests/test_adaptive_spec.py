@@ -280,20 +280,20 @@ def test_host_bound_steps_are_priced_by_their_periods():
     hold = policy.HOLD  # a choice is worked out afresh every HOLD steps
     assert policy.choose(0, 1) == 1  # device time alone: a = 0.5 pays for one draft
     for _ in range(3):
-        policy.observe_step(1, 1, 1.5e-3, 1.5e-3)
+        policy.observe_step(1, 1, 1.5e-3)
     assert policy.step_times(1)[4] == pytest.approx(1.8e-3)  # k = 1's period and the profile's 0.3 ms more
     assert policy.step_times(1)[0] == 0.3e-3 and policy.choose(hold, 1) == 0  # below every priced k: device time
     for _ in range(3):
-        policy.observe_step(1, 0, 1.5e-3, 1.5e-3)
+        policy.observe_step(1, 0, 1.5e-3)
     assert policy.choose(2 * hold, 1) == 3  # host-bound: k = 3 at 1.7 ms gains 0.875 tokens
     for _ in range(3):
-        policy.observe_step(1, 3, 3.1e-3, 3.1e-3)  # ... until k = 3 turns out to cost the host 0.8 ms a draft
+        policy.observe_step(1, 3, 3.1e-3)  # ... until k = 3 turns out to cost the host 0.8 ms a draft
     assert policy.step_times(1)[2] == pytest.approx(2.3e-3)  # between k = 1 and 3
     assert policy.step_times(1)[4] == pytest.approx(3.2e-3)  # above: k = 3's and the profile's 0.1 ms
     assert policy.choose(3 * hold, 1) == 1
     fixed = AdaptiveDraftLength(5, StepCosts.fixed([1], 5), AcceptanceTracker(5, prior=0.5, prior_weight=1.0))
     for _ in range(3):
-        fixed.observe_step(1, 1, 100.0, 200.0)
+        fixed.observe_step(1, 1, 200.0)
     assert fixed.step_times(1)[1] == StepCosts.fixed([1], 5).step_times(1)[1]  # the table's units are not seconds
 
 
@@ -306,14 +306,14 @@ def test_a_k_below_every_priced_one_is_tried():
     policy = AdaptiveDraftLength(5, costs, AcceptanceTracker(5, prior=0.2, prior_weight=1e6))
     for k, host in ((1, 3.73e-3), (3, 3.07e-3), (4, 3.79e-3), (5, 3.87e-3)):
         for _ in range(3):
-            policy.observe_step(32, k, host, host)
+            policy.observe_step(32, k, host)
     hold = policy.HOLD  # a choice is worked out afresh every HOLD steps
     assert policy.step_times(32)[0] == 0.8e-3 and policy.choose(0, 32) == 0
     for _ in range(3):
-        policy.observe_step(32, 0, 2.27e-3, 2.27e-3)
+        policy.observe_step(32, 0, 2.27e-3)
     assert policy.step_times(32)[0] == 2.27e-3 and policy.choose(hold, 32) == 0  # 1 / 2.27 beats 1.25 / 3.07
     for _ in range(10):  # had k = 0 been dear (three quarters of its samples), its price would have said so
-        policy.observe_step(32, 0, 4.5e-3, 4.5e-3)
+        policy.observe_step(32, 0, 4.5e-3)
     assert policy.choose(2 * hold, 32) == 3
 
 
@@ -432,7 +432,6 @@ def _simulate(policy_for, monkeypatch, device_ms, host_ms, accept, steps=600, ba
         k = policy.choose(step, batch)
         host = host_ms(k, ks[-1], batch + sum(accepted)) * 1e-3 * rng.lognormal(0.0, noise)
         period = max((device_ms(k) + context_ms) * 1e-3, host)
-        clock.waited(period - host)
         now[0] += period
         sample = clock.end((batch, k))
         if sample is not None:
@@ -504,7 +503,7 @@ def test_long_contexts_move_the_best_k_and_the_prices_follow(monkeypatch):
     assert fresh.choose(0, 128) == 4  # the profile alone
     for k in range(5):  # the lower ks tried too (below every priced k, each looked its device time)
         for _ in range(3):
-            fresh.observe_step(128, k, 6e-3, profile[k] * 1e-3 + 10e-3)
+            fresh.observe_step(128, k, profile[k] * 1e-3 + 10e-3)
     assert fresh.step_times(128)[5] == pytest.approx(32.8e-3)  # k = 4's period and the profile's 5 ms
     assert fresh.choose(AdaptiveDraftLength.HOLD, 128) == 5
 
@@ -520,7 +519,7 @@ def test_a_dear_first_draft_does_not_hide_the_longer_ones():
                                  AcceptanceTracker(5, prior=0.45, prior_weight=1e6))
     for k, period in ((0, 5.33e-3), (1, 8.5e-3)):
         for _ in range(3):
-            policy.observe_step(128, k, 2e-3, period)
+            policy.observe_step(128, k, period)
     assert policy.step_times(128)[4] == pytest.approx(8.5e-3 + profile[4] - profile[1])
     assert policy.choose(0, 128) == 3
 
@@ -533,6 +532,6 @@ def test_a_price_far_above_its_neighbours_is_capped():
     policy = AdaptiveDraftLength(5, costs, AcceptanceTracker(5, prior=1.0, prior_weight=1e6))
     for k, period in ((3, 7.8e-3), (4, 31e-3), (5, 9.1e-3)):
         for _ in range(3):
-            policy.observe_step(1, k, period, period)
+            policy.observe_step(1, k, period)
     assert policy.times.observed(1) == pytest.approx({3: 7.8e-3, 4: 15.6e-3, 5: 9.1e-3})
     assert policy.choose(0, 1) == 5  # every draft accepted: 6 tokens for 9.1 ms

@@ -71,7 +71,7 @@ class _Recorder(bench_adaptive.DraftLengthPolicy):
     def observe(self, step: int, drafted: list[int], accepted: list[int]) -> None:
         self.seen.append((step, drafted, accepted))
 
-    def observe_step(self, num_seqs: int, k: int, host_seconds: float, period_seconds: float) -> None:
+    def observe_step(self, num_seqs: int, k: int, period_seconds: float) -> None:
         self.steps.append(k)
 
 
@@ -86,7 +86,7 @@ def test_rotation_numbers_each_policy_by_its_own_steps():
         for _ in range(steps):
             assert rotation.choose(engine_step, 4) == {"a": 1, "b": 2}[mode]
             rotation.observe(engine_step - 1, [9], [9])  # the step before's verification (the one in flight)
-            rotation.observe_step(4, 7, 1.0, 1.5)
+            rotation.observe_step(4, 7, 1.5)
             engine_step += 1
     assert a.chosen == [0, 1, 2, 3, 4, 5] and b.chosen == [0, 1, 2]
     # engine steps 2 (a), 5 (b) arrive in the other's turn and still go to their chooser; step -1 is nobody's

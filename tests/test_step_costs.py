@@ -41,10 +41,11 @@ def test_step_times_quartiles_and_caps():
 
 def test_anchored_guesses_from_the_priced_ks_and_the_profile():
     device = [1.0, 1.2, 1.6, 1.7, 1.8, 2.0]
-    assert anchored({2: 3.0}, device) == pytest.approx([2.4, 2.6, 3.0, 3.1, 3.2, 3.4])  # moved by the profile
-    assert anchored({1: 1.1}, device)[0] == 1.0  # never below the device time
-    # between two priced ks the line through them; past them the nearest one moved by the profile
-    assert anchored({1: 5.0, 4: 8.0}, device) == pytest.approx([4.8, 5.0, 6.0, 7.0, 8.0, 8.2])
+    # above the priced ks the highest one moved by the profile (never below it); below them the profile alone
+    assert anchored({2: 3.0}, device) == pytest.approx([1.0, 1.2, 3.0, 3.1, 3.2, 3.4])
+    assert anchored({1: 1.1}, device) == pytest.approx([1.0, 1.1, 1.6, 1.7, 1.8, 2.0])
+    # between two priced ks the line through them
+    assert anchored({1: 5.0, 4: 8.0}, device) == pytest.approx([1.0, 5.0, 6.0, 7.0, 8.0, 8.2])
 
 
 def test_step_clock_samples_steady_decode_periods(monkeypatch):
@@ -56,14 +57,12 @@ def test_step_clock_samples_steady_decode_periods(monkeypatch):
     monkeypatch.setattr("spec_decode.step_costs.time.perf_counter", lambda: next(now))
     clock = StepClock()
     samples = []
-    calls = [((4, 2), 1.0), ((4, 2), 2.0), ((4, 2), 3.0), ((4, 2), 0.0), ((4, 3), 0.0), ((4, 3), 0.0), ((4, 3), 0.0),
-             ((4, 3), 0.0), (None, 0.0), ((4, 3), 0.0), ((4, 3), 0.0), ((4, 3), 0.0), ((4, 3), 0.0)]
-    for launched, wait in calls:
+    calls = [(4, 2), (4, 2), (4, 2), (4, 2), (4, 3), (4, 3), (4, 3), (4, 3), None, (4, 3), (4, 3), (4, 3), (4, 3)]
+    for launched in calls:
         clock.begin()
-        clock.waited(wait)
         samples.append(clock.end(launched))
-    # calls 2 and 3 ran after three launches at k = 2: (25 -> 31) less 3 s, (31 -> 40); call 4 launched
+    # calls 2 and 3 ran after three launches at k = 2: (25 -> 31), (31 -> 40); call 4 launched
     # k = 3, and calls 5 and 6 still collect steps that verified k = 2 drafts; 6 -> 7 is steady at
     # k = 3; the prompt step (8) restarts the count: three more launches before a sample (11 -> 12)
-    assert samples == [None, None, None, (4, 2, 3.0, 6.0), (4, 2, 9.0, 9.0), None, None, (4, 3, 15.0, 15.0), None,
-                       None, None, None, (4, 3, 8.0, 8.0)]
+    assert samples == [None, None, None, (4, 2, 6.0), (4, 2, 9.0), None, None, (4, 3, 15.0), None, None, None, None,
+                       (4, 3, 8.0)]

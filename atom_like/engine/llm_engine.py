@@ -98,7 +98,7 @@ class LLMEngine:
             adaptive = self.args.speculative_adaptive and self.args.method == "eagle3" and proposer_factory is None
             self.draft_policy = (AdaptiveDraftLength(self.runner.num_spec_tokens, self.runner.step_costs) if adaptive
                                  else FixedDraftLength(self.runner.num_spec_tokens))
-        # the host time of decode steps, which the adaptive policy prices a step by where the host bounds it
+        # the periods of steady decode steps, which the adaptive policy prices each k by
         self._clock = StepClock()
         self._ids = itertools.count()
         logger.info("LLMEngine ready: %s on %s (%s), max_model_len %d, prefix caching %s", self.args.model,
@@ -291,9 +291,7 @@ class LLMEngine:
 
     def _collect(self) -> list[RequestOutput]:
         (batch, step), self._in_flight = self._in_flight, None
-        start = time.perf_counter()
         results = self.runner.collect()
-        self._clock.waited(time.perf_counter() - start)
         prompt_only, drafted, accepted = [], [], []
         for item, result in zip(batch.seqs, results):
             if item.spec_token_ids and item.seq.status is not SequenceStatus.FINISHED:  # as SpecStats counts them
