@@ -172,7 +172,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
     nothing: where k changes, the rates of the two ks are about equal. A change of bucket is
     worked out at once."""
 
-    HOLD = 4
+    HOLD, PROBE, MAX_QUIET = 4, 3, 256
 
     def __init__(self, max_drafts: int, costs: StepCosts, tracker: AcceptanceTracker | None = None):
         self.max_drafts, self.costs = max_drafts, costs
@@ -181,6 +181,8 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self._pending: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         self._merged = -1  # the last step merged into the tracker
         self._held = (-1, -1, 0)  # (the step the choice holds until, its bucket, k)
+        self._drafting = 0  # choices of k >= 1 in a row
+        self._quiet = self.HOLD  # how long a choice of k = 0 holds (see choose)
 
     def observe(self, step: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         if step > self._merged:  # (a step already merged cannot be observed: see choose)
@@ -219,5 +221,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             rate = (1 + gain[k]) / times[k]
             if rate > best_rate:
                 best, best_rate = k, rate
-        self._held = (step + self.HOLD, bucket, best)
+        if best:
+            self._drafting += 1
+            hold = self.HOLD
+        else:
+            # back at k = 0 after at most PROBE choices of drafts: a probe that found nothing, so wait
+            # twice as long for the next; after a longer run of drafts, probe soon again
+            self._quiet = min(2 * self._quiet, self.MAX_QUIET) if 0 < self._drafting <= self.PROBE else (
+                self.HOLD if self._drafting else self._quiet)
+            self._drafting = 0
+            hold = self._quiet
+        self._held = (step + hold, bucket, best)
         return best
