@@ -5,8 +5,8 @@ model_ops.sampling.verify at temperature > 0 runs ~30-50 small torch ops outside
 (processed_probs, the draft gathers, the acceptance test, the residual, the exponential race, then
 DraftLayout.verified); a small model's steps are host-bound, so each is host time: SmolLM2-135M's
 EAGLE3 step at batch 1 on an H100 host took 1.17 ms at k = 0 and 2.38 ms at k = 1 at temperature 1
-(issue #19). For the common case (every row sampled, no top-k / top-p, a greedy draft: q is the
-draft's one-hot) this does the arithmetic after the noise in two launches:
+(issue #19). For the common case (no top-k / top-p, a greedy draft: q is the draft's one-hot; rows
+sampled, or greedy beside sampled ones) this does the arithmetic after the noise in two launches:
 
 1. `_chunk_stats_kernel`, one program per (logits row, vocabulary chunk), in one pass over the
    chunk: the softmax statistics of x = log2(e) logits / T in fp32 (a running max and sum of 2^x),
@@ -73,7 +73,9 @@ def _chunk_stats_kernel(
     drafts, row, is_draft, index, draft = _row_of(valid_ptr, row_index_ptr, draft_index_ptr, draft_ids_ptr, s, j,
                                                   width, W_PAD)
     if j <= drafts:  # row j of sequence s exists (programs past its last row idle)
-        scale = tl.math.div_rn(1.0, tl.load(temperature_ptr + row)) * LOG2E
+        t = tl.load(temperature_ptr + row)
+        greedy = t == 0.0  # a greedy row races its raw logits, without noise: the argmax, first index on ties
+        scale = tl.where(greedy, 1.0, tl.math.div_rn(1.0, tl.where(greedy, 1.0, t)) * LOG2E)
         draft_token = draft.to(tl.int32)
         logits_row = logits_ptr + row * stride
         noise_row = noise_ptr + row * vocab
@@ -83,6 +85,7 @@ def _chunk_stats_kernel(
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
         best_at = tl.zeros([BLOCK_V], tl.int32)
         end = tl.minimum(c * chunk_len + chunk_len, vocab)
+        noise_end = tl.where(greedy, 0, end)  # a greedy row reads no noise
         for start in range(c * chunk_len, end, BLOCK_V):
             v = start + offs
             live = v < end
@@ -91,8 +94,8 @@ def _chunk_stats_kernel(
             lane_sum = lane_sum * tl.math.exp2(lane_max - new_max) + tl.math.exp2(x - new_max)
             lane_max = new_max
             # the race in the log domain: no division; the draft's entry is not in the residual
-            key = tl.where(live & (v != draft_token), x - tl.math.log2(tl.load(noise_row + v, mask=live, other=1.0)),
-                           float("-inf"))
+            noise = tl.load(noise_row + v, mask=v < noise_end, other=1.0)
+            key = tl.where(live & (v != draft_token), x - tl.math.log2(noise), float("-inf"))
             better = key > best  # strict: a lane keeps its first maximum, as torch.argmax
             best = tl.where(better, key, best)
             best_at = tl.where(better, v, best_at)
@@ -129,13 +132,19 @@ def _sampled_tokens_kernel(
     # the first chunk holding the best key has the first such token
     winner = tl.min(tl.where(key == high[:, None], tl.load(cells + 3, mask=live, other=0.0), 3.0e38), axis=1)
 
-    scale = tl.math.div_rn(1.0, tl.load(temperature_ptr + row, mask=j <= drafts, other=1.0)) * LOG2E
+    t = tl.load(temperature_ptr + row, mask=j <= drafts, other=1.0)
+    greedy = t == 0.0
+    scale = tl.where(greedy, 1.0, tl.math.div_rn(1.0, tl.where(greedy, 1.0, t)) * LOG2E)
     x_draft = tl.load(logits_ptr + row * stride + draft, mask=is_draft, other=float("-inf")).to(tl.float32) * scale
     p_draft = tl.math.exp2(x_draft - top) / total
     u = tl.load(uniform_ptr + index, mask=is_draft, other=2.0)
-    accept = is_draft & (u < tl.minimum(p_draft, 1.0))
+    # a greedy row's p is the one-hot of its argmax: d is accepted when it is the argmax (above the best
+    # other logit, or level with it at a lower index: torch.argmax's first maximum), else the argmax
+    # of the others is emitted, which then is the row's argmax
+    is_argmax = (x_draft > high) | ((x_draft == high) & (draft < winner.to(tl.int64)))
+    accept = is_draft & tl.where(greedy, is_argmax, u < tl.minimum(p_draft, 1.0))
     # an empty residual (p(d) == 1) samples from p itself, whose only mass is d
-    emitted = tl.where(is_draft & (p_draft >= 1.0), draft, winner.to(tl.int64))
+    emitted = tl.where(is_draft & (t != 0.0) & (p_draft >= 1.0), draft, winner.to(tl.int64))
     store_verified(tokens_ptr, accepted_ptr, s, j, width, draft, accept, emitted, W_PAD)
 
 
@@ -144,7 +153,7 @@ def sampled_verify(logits: torch.Tensor, temperature: torch.Tensor, uniform: tor
                    valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids [S, K + 1], accepted counts [S]) of a sampled step as model_ops.sampling.verify gives
     them with q one-hot and no top-k / top-p. logits [R, V] (any float dtype, upcast to fp32);
-    temperature [R] fp32, every entry > 0; uniform [D] fp32: each draft's U[0, 1); noise [R, V] fp32:
+    temperature [R] fp32, 0 for a greedy row; uniform [D] fp32: each draft's U[0, 1); noise [R, V] fp32:
     Exp(1) draws, clamped above 0; draft_ids [D]; row_index [S, K + 1], draft_index / valid [S, K]:
     the layout (model_ops.sampling.DraftLayout)."""
     check_tensor("logits", logits, 2, (torch.float32, torch.bfloat16, torch.float16), contiguous_last_dim=True)

@@ -313,11 +313,12 @@ def _greedy_verify_kernel(device: torch.device) -> Callable[..., tuple[torch.Ten
 def _sampled_verify_kernel(device: torch.device, st: SamplingTensors,
                            draft_probs: torch.Tensor | None) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """kernels_rocm.sampled_verify on a GPU with triton, for the common sampled step, decided from host
-    facts: every row sampled (`any_greedy` False), no top-k / top-p (`sort_width` 0: p is the plain
-    softmax), q the draft's one-hot (`draft_probs` None) and every draw from the shared generator (no
-    seeded request: `shared_rows` None). Two launches for _rejection_sample's and
-    DraftLayout.verified's ~30-50 ops. None: the torch path (the CPU's, and every other step's)."""
-    if st.any_greedy or st.sort_width != 0 or draft_probs is not None or st.shared_rows is not None:
+    facts: no top-k / top-p (`sort_width` 0: p is the plain softmax, or a greedy row's one-hot), q the
+    draft's one-hot (`draft_probs` None) and every draw from the shared generator (no seeded request:
+    `shared_rows` None); greedy rows may sit beside the sampled ones (verify sends a step of greedy
+    rows only to greedy_verify first). Two launches for _rejection_sample's and DraftLayout.verified's
+    ~30-50 ops. None: the torch path (the CPU's, and every other step's)."""
+    if st.sort_width != 0 or draft_probs is not None or st.shared_rows is not None:
         return None
     return _sampled_kernel(device)
 

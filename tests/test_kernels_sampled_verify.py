@@ -135,7 +135,26 @@ def test_the_emitted_token_of_an_empty_residual_is_the_draft():
     assert tokens.tolist() == [[4, -1]] and accepted.tolist() == [0]
 
 
-@pytest.mark.parametrize("case", ["top_p", "top_k", "seeded", "draft_probs", "a greedy row"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_rows_beside_sampled_ones(monkeypatch, seed):
+    """A greedy request's rows (temperature 0) in a sampled step: its p is the one-hot of its argmax,
+    so its drafts are accepted while they are the argmax and it emits the argmax, on both paths. Two
+    rows hold ties of the maximum (torch.argmax takes the first): one with the draft the later of the
+    two (rejected), one the earlier (accepted)."""
+    num_drafts, vocab = [3, 2, 4, 1], 1000
+    logits, draft_ids = _step(num_drafts, vocab, seed, scale=2.0, likely=0.7)
+    temps = [0.0 if r < 4 or 7 <= r < 12 else 0.8 for r in range(len(logits))]  # sequences 0 and 2 greedy
+    logits[0, 10] = logits[0, 20] = 50.0
+    logits[7, 30] = logits[7, 40] = 50.0
+    draft_ids[0], draft_ids[5] = 20, 30  # sequence 0's first draft the later tie, sequence 2's the earlier
+    st = _tensors(len(logits), vocab, temps)
+    ref, got, calls = _both_paths(monkeypatch, logits, num_drafts, draft_ids, st, seed)
+    assert calls == 1
+    assert torch.equal(got.token_ids, ref.token_ids) and torch.equal(got.num_accepted, ref.num_accepted)
+    assert got.token_ids[0, 0] == 10 and got.num_accepted[0] == 0 and got.num_accepted[2] >= 1
+
+
+@pytest.mark.parametrize("case", ["top_p", "top_k", "seeded", "draft_probs"])
 def test_other_steps_keep_the_torch_path(kernel_calls, case):
     num_drafts, vocab = [2, 3], 64
     logits, draft_ids = _step(num_drafts, vocab, 0)
@@ -147,11 +166,9 @@ def test_other_steps_keep_the_torch_path(kernel_calls, case):
         st = SamplingTensors.build([1.0] * rows, [10] * rows, [1.0] * rows, [None] * rows, vocab, CPU)
     elif case == "seeded":
         st = _tensors(rows, vocab, generators=[torch.Generator().manual_seed(1)] * 3 + [None] * (rows - 3))
-    elif case == "draft_probs":
+    else:
         st = _tensors(rows, vocab)
         kwargs["draft_probs"] = torch.softmax(torch.randn(len(draft_ids), vocab), -1)
-    else:
-        st = _tensors(rows, vocab, [0.0] + [1.0] * (rows - 1))
     verify(logits, num_drafts, draft_ids, st, torch.Generator().manual_seed(0), **kwargs)
     assert not kernel_calls
 

@@ -26,12 +26,16 @@ def _step(num_drafts: list[int], vocab: int, seed: int, dtype: torch.dtype):
     return logits.to(dtype).to(CUDA), torch.cat(drafts).to(CUDA)
 
 
-def _verify(monkeypatch, kernel: bool, logits, num_drafts, draft_ids, seed: int, **kwargs):
+def _verify(monkeypatch, kernel: bool, logits, num_drafts, draft_ids, seed: int, greedy_every: int = 0, **kwargs):
+    """verify() on the kernel or the torch path; with greedy_every n, every n-th sequence's rows greedy."""
     import model_ops.sampling as sampling
     from model_ops.sampling import SamplingTensors, verify
 
     rows, vocab = logits.shape
     temps = [0.6 + 0.2 * (i % 4) for i in range(rows)]
+    if greedy_every:
+        sequence_of_row = [s for s, n in enumerate(num_drafts) for _ in range(n + 1)]
+        temps = [0.0 if sequence_of_row[r] % greedy_every == 0 else t for r, t in enumerate(temps)]
     st = SamplingTensors.build(temps, [-1] * rows, [1.0] * rows, [None] * rows, vocab, CUDA)
     calls = []
     real = sampling._sampled_kernel(CUDA)
@@ -51,13 +55,17 @@ def _verify(monkeypatch, kernel: bool, logits, num_drafts, draft_ids, seed: int,
 @pytest.mark.parametrize("vocab", [49_152, 163_840])
 @pytest.mark.parametrize("batch, k", [(1, 1), (1, 5), (8, 3), (64, 5), (64, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compiled_kernel_gives_the_torch_paths_tokens(monkeypatch, vocab, batch, k, dtype):
+@pytest.mark.parametrize("greedy_every", [0, 3])
+def test_compiled_kernel_gives_the_torch_paths_tokens(monkeypatch, vocab, batch, k, dtype, greedy_every):
+    """greedy_every 3: greedy requests (every third sequence) beside sampled ones."""
+    if greedy_every and batch == 1:
+        pytest.skip("a lone greedy sequence takes greedy_verify")
     # ragged: every 7th sequence shorter (none at k = 1); the first has all k, so batch 1 verifies
     num_drafts = [k if i % 7 != 6 else max(k - 2, 0) for i in range(batch)]
     for seed in range(3):
         logits, draft_ids = _step(num_drafts, vocab, seed, dtype)
-        ref = _verify(monkeypatch, False, logits, num_drafts, draft_ids, seed)
-        got = _verify(monkeypatch, True, logits, num_drafts, draft_ids, seed)
+        ref = _verify(monkeypatch, False, logits, num_drafts, draft_ids, seed, greedy_every)
+        got = _verify(monkeypatch, True, logits, num_drafts, draft_ids, seed, greedy_every)
         differ = (got.token_ids != ref.token_ids).any(dim=1) | (got.num_accepted != ref.num_accepted)
         assert not differ.any(), (f"seed {seed}: sequences {differ.nonzero().flatten().tolist()} differ: "
                                   f"{got.token_ids[differ].tolist()} vs {ref.token_ids[differ].tolist()}")
