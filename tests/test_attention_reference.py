@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model_ops.attention.metadata import AttentionMetadata, slots_for_positions
-from model_ops.attention.torch_ref import paged_attention, write_cache
+from model_ops.attention.torch_ref import padded_causal_attention, paged_attention, write_cache
 
 
 def random_batch(ctx, qlen, num_blocks, block_size, gen, min_block_id=0):
@@ -75,3 +75,25 @@ def test_block_ids_past_65535():
     q = torch.randn(17, 3, 8, generator=gen)
     torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, 0.3).double(),
                                naive(q, k_cache, v_cache, meta, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_sdpa_core_matches_the_reference(dtype, tol):
+    """backends.sdpa_causal_attention (the Triton MLA backend's prefill core) against
+    padded_causal_attention: ragged prompts, chunks over cached prefixes and single rows; value width
+    other than the key's (MLA: 192 / 128 a head); NaN in the padding past each context stays out."""
+    from model_ops.attention.backends import sdpa_causal_attention
+
+    gen = torch.Generator().manual_seed(3)
+    ctx, qlen = [37, 20, 9, 64], [37, 18, 1, 5]
+    meta = random_batch(ctx, qlen, 40, 4, gen)
+    heads, dk, dv, width = 3, 24, 16, max(ctx) + 3
+    q = torch.randn(sum(qlen), heads, dk, generator=gen).to(dtype)
+    keys = torch.randn(len(ctx), width, heads, dk, generator=gen).to(dtype)
+    values = torch.randn(len(ctx), width, heads, dv, generator=gen).to(dtype)
+    for b, c in enumerate(ctx):
+        keys[b, c:], values[b, c:] = float("nan"), float("nan")
+    got = sdpa_causal_attention(q, keys, values, meta, 0.2)
+    expected = padded_causal_attention(q, keys, values, meta, 0.2)
+    assert got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)

@@ -77,3 +77,27 @@ def test_latent_norm_rides_along_the_write():
     untouched = torch.ones(16 * 4, dtype=torch.bool, device=device)
     untouched[slots[slots >= 0]] = False
     assert all(torch.equal(c.flatten(0, 1)[untouched], cache.flatten(0, 1)[untouched]) for c in caches)
+
+
+def test_triton_mla_prefill_matches_torch():
+    """The expanded form (prefill, chunks over a cached prefix; scaled_dot_product_attention in the
+    Triton backend, the fp32 reference in the torch one) on the same cache rows, fp32."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(2)
+    ctx, qlen = [23, 14, 9], [23, 6, 1]
+    meta = random_batch(ctx, qlen, 24, 4, gen)
+    meta = dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
+                                        if torch.is_tensor(getattr(meta, f.name))})
+    latent_dim, rope_dim, heads, nope, v, tokens = 32, 16, 4, 12, 10, sum(qlen)
+    cache = torch.randn(24, 4, latent_dim + rope_dim, generator=gen).to(device)
+    w = (torch.randn(heads * (nope + v), latent_dim, generator=gen) * 0.2).to(device)
+
+    def expand(latent):
+        kv = (latent @ w.T).view(*latent.shape[:-1], heads, nope + v)
+        return kv.split([nope, v], dim=-1)
+
+    q_nope = torch.randn(tokens, heads, nope, generator=gen).to(device)
+    q_pe = torch.randn(tokens, heads, rope_dim, generator=gen).to(device)
+    outs = [backend.attend_expanded(q_nope, q_pe, cache, meta, 0.3, expand).cpu()
+            for backend in (TorchMLABackend(), TritonMLABackend())]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from kernels_rocm.aiter_ops import (
     AiterOps,
@@ -210,8 +211,35 @@ class TorchMLABackend(MLABackend):
         return torch_ref.mla_absorbed_attention(q_latent, q_pe, cache, meta, scale, _latent(scales))
 
 
+def sdpa_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata,
+                          scale: float) -> torch.Tensor:
+    """torch_ref.padded_causal_attention's contract (query row j of sequence b sees keys
+    0 ..= context_len - q_len + j; one KV head per query head) through
+    torch.nn.functional.scaled_dot_product_attention in q's dtype: a fused kernel on a GPU (the
+    memory-efficient one takes the mask and a value width other than the key's), no fp32 score
+    tensor. Why: MLA prefill's expanded form on the reference ran fp32 einsums, 3.3 ms of GPU time a
+    layer at 4,096 tokens on an H100 for Kimi's TP8 rank shape (docs/benchmarks.md section 6)."""
+    num_tokens = q.shape[0]
+    batch, length = keys.shape[:2]
+    seq_idx, row = torch_ref.token_rows(meta, num_tokens)
+    ctx = meta.context_lens.long()
+    # rows past a sequence's context hold whatever its table's padding points at (even NaN): a masked
+    # key's weight is 0, and 0 x NaN is NaN, so they are zeroed as in the reference
+    beyond = (torch.arange(length, device=q.device)[None, :] >= ctx[:, None])[:, :, None, None]
+    keys, values = keys.masked_fill(beyond, 0), values.masked_fill(beyond, 0)
+    q_pad = q.new_zeros(batch, meta.max_query_len, *q.shape[1:])
+    q_pad[seq_idx, row] = q
+    q_pos = (ctx - meta.query_lens.long())[:, None] + torch.arange(meta.max_query_len, device=q.device)[None, :]
+    visible = torch.arange(length, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, Q, S]
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
+                                         values.transpose(1, 2).to(q.dtype), attn_mask=visible[:, None], scale=scale)
+    return out.transpose(1, 2)[seq_idx, row]
+
+
 class TritonMLABackend(MLABackend):
-    """kernels_rocm's MLA kernels (any GPU); registered, like the MHA ones, where triton is importable."""
+    """kernels_rocm's MLA kernels (any GPU); registered, like the MHA ones, where triton is importable.
+    Prefill (the expanded form) has no Triton kernel: the reference's gathers and expansion, then
+    scaled_dot_product_attention (sdpa_causal_attention)."""
 
     name = "triton"
 
@@ -228,6 +256,10 @@ class TritonMLABackend(MLABackend):
         norm = {} if latent_norm is None else dict(norm_weight=latent_norm.weight, norm_eps=latent_norm.eps)
         return rope_write_mla_kv_cache(q_pe, rows[0], rows[1], cache, *cos_sin, slot_mapping, rotary.interleaved,
                                        **_kernel_scales(scales, "scale"), **norm)
+
+    def attend_expanded(self, q_nope, q_pe, cache, meta, scale, expand, scales=None, fresh=None):
+        return torch_ref.mla_expanded_attention(q_nope, q_pe, cache, meta, scale, expand, _latent(scales), fresh,
+                                                attention=sdpa_causal_attention)
 
     def attend_absorbed(self, q_latent, q_pe, cache, meta, scale, scales=None):
         from kernels_rocm.mla_decode import mla_paged_attention

@@ -187,10 +187,14 @@ def mla_absorbed_attention(
                            kv_scale, kv_scale)
 
 
+# (flat queries [T, H, Dk], padded keys [B, S, H, Dk], values [B, S, H, Dv], the group's metadata, scale) -> [T, H, Dv]
+PaddedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
 def mla_expanded_attention(
     q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     expand: LatentExpander, kv_scale: torch.Tensor | None = None,
-    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None, attention: PaddedAttention | None = None,
 ) -> torch.Tensor:
     """MLA in the expanded form: each group's context latent rows (dequantized to q's dtype when
     the cache is fp8) go through `expand` to per-head k_nope / v, keys are [k_nope | shared rope
@@ -200,21 +204,26 @@ def mla_expanded_attention(
     model precision; they replace, in each sequence's context, the cached rows of the step's own
     tokens, so only earlier context (prefix-cache hits, earlier chunks) is read through the cache.
     MLAAttention passes them for an fp8 cache (vLLM's and SGLang's MLA prefill attend the new
-    tokens unquantized); a float cache already holds these values."""
+    tokens unquantized); a float cache already holds these values.
+
+    `attention`: the core over each group's padded rows (None: padded_causal_attention, fp32 scores
+    under SCORE_BUDGET); one that keeps no score tensor (a fused kernel) is grouped by its [B, Q, S]
+    mask alone, i.e. as if one head."""
     check_cache_scale(cache, kv_scale, "kv_scale")
     num_heads, rope_dim = q_pe.shape[1], q_pe.shape[2]
     latent_dim = cache.shape[-1] - rope_dim
     q = torch.cat([q_nope, q_pe], dim=-1)
     step_rows = None if fresh is None else torch.cat(fresh, dim=-1).to(q.dtype)
     out: torch.Tensor | None = None
-    for g in segment_groups(meta, num_heads):
+    core = attention or padded_causal_attention
+    for g in segment_groups(meta, num_heads if attention is None else 1):
         rows = read_rows(gather_cache(cache, g.meta.block_tables, g.meta.max_context_len), kv_scale, q.dtype)
         if step_rows is not None:
             overlay_step_rows(rows, step_rows, g, meta)
         k_nope, values = expand(rows[..., :latent_dim])
         k_pe = rows[..., None, latent_dim:].expand(-1, -1, num_heads, -1)
         keys = torch.cat([k_nope, k_pe.to(k_nope.dtype)], dim=-1)
-        group_out = padded_causal_attention(q[g.rows], keys, values, g.meta, scale)
+        group_out = core(q[g.rows], keys, values, g.meta, scale)
         if out is None:
             out = q.new_empty(q.shape[0], num_heads, group_out.shape[-1])
         out[g.rows] = group_out
