@@ -14,10 +14,10 @@ step, the k that maximises expected tokens per second:
   on this engine, per graph batch bucket: the periods such steps took (`StepTimes`: observed
   online, the lower quartile per bucket and k), and for a k not priced a guess from the priced
   ks and the device time the start-up profile measured for every k (`StepCosts`: replaying the
-  captured decode graphs, cached on disk; `anchored`). Before
-  anything is priced, and on CPU or without graphs (a fixed table), the profile alone. Periods,
-  not device time: a small model's steps can be host-bound, and every k then costs about the
-  same period, which device time alone would not show.
+  captured decode graphs, cached on disk; `anchored`). Before anything is priced, and on CPU or
+  without graphs (a fixed table), the profile alone. Periods, not device time: a small model's
+  steps can be host-bound, and every k then costs about the same period, which device time
+  alone would not show.
 
 Timing on an overlapped pipeline: the drafts a step verifies were proposed by the step before,
 so choosing k at the launch of step N decides what step N + 1 verifies. The host learns the
@@ -235,8 +235,10 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         else:
             # back at k = 0 after at most PROBE choices of drafts: a probe that found nothing, so wait
             # twice as long for the next; after a longer run of drafts, probe soon again
-            self._quiet = min(2 * self._quiet, self.MAX_QUIET) if 0 < self._drafting <= self.PROBE else (
-                self.HOLD if self._drafting else self._quiet)
+            if 0 < self._drafting <= self.PROBE:
+                self._quiet = min(2 * self._quiet, self.MAX_QUIET)
+            elif self._drafting:
+                self._quiet = self.HOLD
             self._drafting = 0
             hold = self._quiet
         self._held = (step + hold, bucket, best)
