@@ -60,6 +60,14 @@ def _row_of(valid_ptr, row_index_ptr, draft_index_ptr, draft_ids_ptr, s, j, widt
     return drafts, row, is_draft, index, draft
 
 
+@triton.jit
+def _scale_of(t):
+    """(whether a row of temperature t is greedy, its logits' scale): log2(e) / t for a sampled row; 1
+    for a greedy one (t == 0), which races its raw logits without noise: its argmax, the first on ties."""
+    greedy = t == 0.0
+    return greedy, tl.where(greedy, 1.0, tl.math.div_rn(1.0, tl.where(greedy, 1.0, t)) * LOG2E)
+
+
 @triton.jit(do_not_specialize=["stride", "width", "vocab", "chunk_len", "chunks"])
 def _chunk_stats_kernel(
     logits_ptr, stride, temperature_ptr, noise_ptr, draft_ids_ptr, row_index_ptr, draft_index_ptr, valid_ptr,
@@ -73,9 +81,7 @@ def _chunk_stats_kernel(
     drafts, row, is_draft, index, draft = _row_of(valid_ptr, row_index_ptr, draft_index_ptr, draft_ids_ptr, s, j,
                                                   width, W_PAD)
     if j <= drafts:  # row j of sequence s exists (programs past its last row idle)
-        t = tl.load(temperature_ptr + row)
-        greedy = t == 0.0  # a greedy row races its raw logits, without noise: the argmax, first index on ties
-        scale = tl.where(greedy, 1.0, tl.math.div_rn(1.0, tl.where(greedy, 1.0, t)) * LOG2E)
+        greedy, scale = _scale_of(tl.load(temperature_ptr + row))
         draft_token = draft.to(tl.int32)
         logits_row = logits_ptr + row * stride
         noise_row = noise_ptr + row * vocab
@@ -132,9 +138,7 @@ def _sampled_tokens_kernel(
     # the first chunk holding the best key has the first such token
     winner = tl.min(tl.where(key == high[:, None], tl.load(cells + 3, mask=live, other=0.0), 3.0e38), axis=1)
 
-    t = tl.load(temperature_ptr + row, mask=j <= drafts, other=1.0)
-    greedy = t == 0.0
-    scale = tl.where(greedy, 1.0, tl.math.div_rn(1.0, tl.where(greedy, 1.0, t)) * LOG2E)
+    greedy, scale = _scale_of(tl.load(temperature_ptr + row, mask=j <= drafts, other=1.0))
     x_draft = tl.load(logits_ptr + row * stride + draft, mask=is_draft, other=float("-inf")).to(tl.float32) * scale
     p_draft = tl.math.exp2(x_draft - top) / total
     u = tl.load(uniform_ptr + index, mask=is_draft, other=2.0)
@@ -144,7 +148,7 @@ def _sampled_tokens_kernel(
     is_argmax = (x_draft > high) | ((x_draft == high) & (draft < winner.to(tl.int64)))
     accept = is_draft & tl.where(greedy, is_argmax, u < tl.minimum(p_draft, 1.0))
     # an empty residual (p(d) == 1) samples from p itself, whose only mass is d
-    emitted = tl.where(is_draft & (t != 0.0) & (p_draft >= 1.0), draft, winner.to(tl.int64))
+    emitted = tl.where(is_draft & (greedy == 0) & (p_draft >= 1.0), draft, winner.to(tl.int64))
     store_verified(tokens_ptr, accepted_ptr, s, j, width, draft, accept, emitted, W_PAD)
 
 
