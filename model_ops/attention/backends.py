@@ -213,27 +213,16 @@ class TorchMLABackend(MLABackend):
 
 def sdpa_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata,
                           scale: float) -> torch.Tensor:
-    """torch_ref.padded_causal_attention's contract (query row j of sequence b sees keys
-    0 ..= context_len - q_len + j; one KV head per query head) through
+    """torch_ref.padded_causal_attention's contract (one KV head per query head here) through
     torch.nn.functional.scaled_dot_product_attention in q's dtype: a fused kernel on a GPU (the
     memory-efficient one takes the mask and a value width other than the key's), no fp32 score
     tensor. Why: MLA prefill's expanded form on the reference ran fp32 einsums, 3.3 ms of GPU time a
     layer at 4,096 tokens on an H100 for Kimi's TP8 rank shape (docs/benchmarks.md section 6)."""
-    num_tokens = q.shape[0]
-    batch, length = keys.shape[:2]
-    seq_idx, row = torch_ref.token_rows(meta, num_tokens)
-    ctx = meta.context_lens.long()
-    # rows past a sequence's context hold whatever its table's padding points at (even NaN): a masked
-    # key's weight is 0, and 0 x NaN is NaN, so they are zeroed as in the reference
-    beyond = (torch.arange(length, device=q.device)[None, :] >= ctx[:, None])[:, :, None, None]
-    keys, values = keys.masked_fill(beyond, 0), values.masked_fill(beyond, 0)
-    q_pad = q.new_zeros(batch, meta.max_query_len, *q.shape[1:])
-    q_pad[seq_idx, row] = q
-    q_pos = (ctx - meta.query_lens.long())[:, None] + torch.arange(meta.max_query_len, device=q.device)[None, :]
-    visible = torch.arange(length, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, Q, S]
-    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
-                                         values.transpose(1, 2).to(q.dtype), attn_mask=visible[:, None], scale=scale)
-    return out.transpose(1, 2)[seq_idx, row]
+    p = torch_ref.pad_queries(q, keys, values, meta, q.dtype)
+    out = F.scaled_dot_product_attention(p.q.transpose(1, 2), p.keys.transpose(1, 2).to(q.dtype),
+                                         p.values.transpose(1, 2).to(q.dtype), attn_mask=p.visible[:, None],
+                                         scale=scale)
+    return p.unpad(out.transpose(1, 2))
 
 
 class TritonMLABackend(MLABackend):

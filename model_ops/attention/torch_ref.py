@@ -71,33 +71,54 @@ def token_rows(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, 
     return seq_idx, torch.arange(num_tokens, device=qsl.device) - qsl[seq_idx]
 
 
+@dataclass
+class PaddedQueries:
+    """A group's flat queries laid out per sequence for padded attention (padded_causal_attention and
+    its fused twin, model_ops.attention.backends.sdpa_causal_attention)."""
+    seq_idx: torch.Tensor  # [T]: each flat query's sequence
+    row: torch.Tensor  # [T]: its row within the sequence
+    q: torch.Tensor  # [B, max_query_len, H, D]: the queries, zero where a sequence has fewer rows
+    keys: torch.Tensor  # [B, S, Hkv, Dk]: zero past each context
+    values: torch.Tensor  # [B, S, Hkv, Dv]: zero past each context
+    visible: torch.Tensor  # [B, max_query_len, S]: query row j of sequence b sees keys 0 ..= context_len - q_len + j
+
+    def unpad(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, max_query_len, H, Dv] -> the flat queries' rows [T, H, Dv]."""
+        return out[self.seq_idx, self.row]
+
+
+def pad_queries(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata,
+                dtype: torch.dtype) -> PaddedQueries:
+    """The padded layout of flat queries q [T, Hq, Dk] (in `dtype`) over padded keys / values."""
+    num_tokens = q.shape[0]
+    length = keys.shape[1]
+    seq_idx, row = token_rows(meta, num_tokens)
+    ctx = meta.context_lens.long()
+    # rows past a sequence's context hold whatever its table's padding points at: zero them so
+    # garbage (even NaN) cannot leak through a zero attention weight (0 x NaN is NaN)
+    beyond = (torch.arange(length, device=q.device)[None, :] >= ctx[:, None])[:, :, None, None]
+    q_pad = q.new_zeros(keys.shape[0], meta.max_query_len, *q.shape[1:], dtype=dtype)
+    q_pad[seq_idx, row] = q.to(dtype)
+    q_pos = (ctx - meta.query_lens.long())[:, None] + torch.arange(meta.max_query_len, device=q.device)[None, :]
+    visible = torch.arange(length, device=q.device)[None, None, :] <= q_pos[:, :, None]
+    return PaddedQueries(seq_idx, row, q_pad, keys.masked_fill(beyond, 0), values.masked_fill(beyond, 0), visible)
+
+
 def padded_causal_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Attention of flat queries q [T, Hq, Dk] over padded per-sequence keys [B, S, Hkv, Dk] and
     values [B, S, Hkv, Dv]; query row j of sequence b sees keys 0 ..= context_len - q_len + j.
     Returns [T, Hq, Dv] in q's dtype, computed in fp32."""
-    num_tokens, num_heads, _ = q.shape
-    batch, length, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
-    seq_idx, row = token_rows(meta, num_tokens)
-
-    ctx = meta.context_lens.long()
-    # rows past a sequence's context hold whatever its table's padding points at: zero them so
-    # garbage (even NaN) cannot leak through a zero attention weight
-    beyond = (torch.arange(length, device=q.device)[None, :] >= ctx[:, None])[:, :, None, None]
-    keys, values = keys.masked_fill(beyond, 0), values.masked_fill(beyond, 0)
-
-    q_pad = q.new_zeros(batch, meta.max_query_len, num_heads, q.shape[-1], dtype=torch.float32)
-    q_pad[seq_idx, row] = q.float()
-    q_pad = q_pad.view(batch, meta.max_query_len, num_kv_heads, group, -1)
-    scores = torch.einsum("bqhgd,bshd->bhgqs", q_pad, keys.float()) * scale
-    q_pos = (ctx - meta.query_lens.long())[:, None] + torch.arange(meta.max_query_len, device=q.device)[None, :]
-    visible = torch.arange(length, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, Q, S]
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    batch, _, num_kv_heads, _ = keys.shape
+    group = q.shape[1] // num_kv_heads
+    p = pad_queries(q, keys, values, meta, torch.float32)
+    q_pad = p.q.view(batch, meta.max_query_len, num_kv_heads, group, -1)
+    scores = torch.einsum("bqhgd,bshd->bhgqs", q_pad, p.keys.float()) * scale
+    scores = scores.masked_fill(~p.visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgqs,bshd->bqhgd", probs, values.float())
-    return out.reshape(batch, meta.max_query_len, num_heads, -1)[seq_idx, row].to(q.dtype)
+    out = torch.einsum("bhgqs,bshd->bqhgd", probs, p.values.float())
+    return p.unpad(out.reshape(batch, meta.max_query_len, q.shape[1], -1)).to(q.dtype)
 
 
 @dataclass
