@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
