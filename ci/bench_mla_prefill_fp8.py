@@ -1,9 +1,9 @@
 """What an fp8 latent cache costs MLA prefill (issue 12): the MLA layer's expanded form (prefill) over a
-bf16 cache against the same over an fp8 e4m3fn cache, whose step rows are attended unquantized (made
-again by `mla_row_values`: one RMSNorm and one rotation of [T, 576]), at Kimi-K2.5's TP8 rank shape
+bf16 cache against the same over an fp8 e4m3fn cache, whose step rows are attended unquantized (as the
+write kernel made them, its `rows_out`), at Kimi-K2.5's TP8 rank shape
 (8 heads, latent 512 + rope 64, nope 128, v 128), Triton backend, bf16. Cases: a prompt of T tokens,
 and a chunk of T tokens over T cached ones. Median ms of 20 timed calls (CUDA events) after 3 warm-up
-calls, and `mla_row_values` alone. Writes $OUT/bench_mla_prefill_fp8.json.
+calls. Writes $OUT/bench_mla_prefill_fp8.json.
 
     OUT=dir python ci/bench_mla_prefill_fp8.py
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import LlamaConfig  # noqa: E402
 
-from model_ops.attention.backends import TritonMLABackend, mla_row_values  # noqa: E402
+from model_ops.attention.backends import TritonMLABackend  # noqa: E402
 from model_ops.attention.metadata import AttentionMetadata, slots_for_positions  # noqa: E402
 from model_ops.attention.mla import MLAAttention  # noqa: E402
 from model_ops.layernorm import RMSNorm  # noqa: E402
@@ -71,8 +71,6 @@ def case(tokens: int, cached: int, g: torch.Generator) -> dict:
         with torch.no_grad():
             out[f"{name}_ms"] = timed(lambda: layer.attend(q_nope, q_pe, latent, k_pe, meta, absorbed=False, rope=rope,
                                                            latent_norm=norm))
-    with torch.no_grad():
-        out["row_values_ms"] = timed(lambda: mla_row_values((latent, k_pe), norm, rope))
     out["fp8_over_bf16"] = out["fp8_ms"] / out["bf16_ms"]
     return out
 
@@ -82,7 +80,7 @@ def main() -> None:
     rows = [case(tokens, cached, g) for tokens, cached in ((1024, 0), (4096, 0), (8192, 0), (2048, 2048))]
     for r in rows:
         print(f"T {r['tokens']:5d} over {r['cached']:5d} cached: bf16 {r['bf16_ms']:.3f} ms, fp8 {r['fp8_ms']:.3f} ms "
-              f"({r['fp8_over_bf16']:.3f}x), mla_row_values {r['row_values_ms']:.3f} ms")
+              f"({r['fp8_over_bf16']:.3f}x)")
     out = Path(os.environ.get("OUT", "bench_out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_mla_prefill_fp8.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows),

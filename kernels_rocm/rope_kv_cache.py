@@ -68,17 +68,18 @@ def _rope_write_kernel(
     slot_mapping_ptr, cos_ptr, sin_ptr,
     q_ptr, q_out_ptr,
     k_ptr, k_cache_ptr, k_scale_ptr,
-    v_ptr, v_cache_ptr, v_scale_ptr, norm_weight_ptr, norm_eps,
+    v_ptr, v_cache_ptr, v_scale_ptr, norm_weight_ptr, norm_eps, k_rows_ptr, v_rows_ptr,
     stride_cos_t: tl.int64, stride_sin_t: tl.int64,
     stride_q_t: tl.int64, stride_q_h: tl.int64, stride_q_out_t: tl.int64, stride_q_out_h: tl.int64,
     stride_k_t: tl.int64, stride_k_h: tl.int64, stride_v_t: tl.int64, stride_v_h: tl.int64,
     stride_kc_blk: tl.int64, stride_kc_tok: tl.int64, stride_kc_h: tl.int64,
     stride_vc_blk: tl.int64, stride_vc_tok: tl.int64, stride_vc_h: tl.int64,
+    stride_rows_t: tl.int64, stride_rows_h: tl.int64,
     Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
     KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     DIM_V: tl.constexpr, DIM_V_PAD: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, SIGNED_ZERO: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -112,6 +113,10 @@ def _rope_write_kernel(
                  + kv_heads[:, None] * stride_kc_h + cols[None, :])
         _store_rows(k_out1, k_dst, k_mask, k_scale_ptr, FP8, FP8_MAX, MIN_NORMAL_EXP, SIGNED_ZERO)
         _store_rows(k_out2, k_dst + HALF, k_mask, k_scale_ptr, FP8, FP8_MAX, MIN_NORMAL_EXP, SIGNED_ZERO)
+        if ROWS:  # the rotated key rows as computed, before any fp8 rounding
+            k_rows = k_rows_ptr + token * stride_rows_t + kv_heads[:, None] * stride_rows_h + cols[None, :]
+            tl.store(k_rows, k_out1.to(k_rows_ptr.dtype.element_ty), mask=k_mask)
+            tl.store(k_rows + HALF, k_out2.to(k_rows_ptr.dtype.element_ty), mask=k_mask)
 
         dims_v = tl.arange(0, DIM_V_PAD)
         v_mask = head_valid[:, None] & (dims_v < DIM_V)[None, :]
@@ -127,13 +132,18 @@ def _rope_write_kernel(
         v_dst = (v_cache_ptr + block * stride_vc_blk + offset_in_block * stride_vc_tok
                  + kv_heads[:, None] * stride_vc_h + dims_v[None, :])
         _store_rows(v_rows, v_dst, v_mask, v_scale_ptr, FP8, FP8_MAX, MIN_NORMAL_EXP, SIGNED_ZERO)
+        if ROWS:
+            tl.store(v_rows_ptr + token * stride_rows_t + kv_heads[:, None] * stride_rows_h + dims_v[None, :],
+                     v_rows.to(v_rows_ptr.dtype.element_ty), mask=v_mask)
 
 
 def _launch(slot_mapping, cos, sin, q, key, k_cache, k_scale, value, v_cache, v_scale, interleaved,
-            norm_weight=None, norm_eps=0.0) -> torch.Tensor:
+            norm_weight=None, norm_eps=0.0, k_rows=None, v_rows=None) -> torch.Tensor:
     """q [T, Hq, R], key [T, Hkv, R], value [T, Hkv, Dv]; caches [NB, BS, Hkv, *] (maybe
     column-offset views); returns the rotated q [T, Hq, R] (contiguous). `norm_weight` [Dv]: the
-    value rows are RMS-normalized (eps `norm_eps`) before they are stored."""
+    value rows are RMS-normalized (eps `norm_eps`) before they are stored. `k_rows` [T, Hkv, R] /
+    `v_rows` [T, Hkv, Dv] (views sharing their token and head strides), when given, receive the
+    stored rows before any fp8 rounding (rows of slot -1 are left as they were)."""
     num_tokens, q_heads, rot = q.shape
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
@@ -147,17 +157,18 @@ def _launch(slot_mapping, cos, sin, q, key, k_cache, k_scale, value, v_cache, v_
         q, q_out,
         key, k_cache, k_scale_,
         # without the norm its arguments go as None (constexpr): the plain write compiles as before
-        value, v_cache, v_scale_, norm_weight, norm_eps if norm_weight is not None else None,
+        value, v_cache, v_scale_, norm_weight, norm_eps if norm_weight is not None else None, k_rows, v_rows,
         cos.stride(0), sin.stride(0),
         q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *((k_rows.stride(0), k_rows.stride(1)) if k_rows is not None else (0, 0)),
         Q_HEADS=q_heads, Q_HEADS_PAD=triton.next_power_of_2(q_heads),
         KV_HEADS=kv_heads, KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
         HALF=rot // 2, HALF_PAD=triton.next_power_of_2(rot // 2),
         DIM_V=dim_v, DIM_V_PAD=triton.next_power_of_2(dim_v),
-        INTERLEAVED=interleaved, BLOCK_SIZE=k_cache.shape[1], NORM=norm_weight is not None,
+        INTERLEAVED=interleaved, BLOCK_SIZE=k_cache.shape[1], NORM=norm_weight is not None, ROWS=k_rows is not None,
         FP8=fp8, FP8_MAX=fp8_max(k_cache.dtype) if fp8 else 0.0,
         MIN_NORMAL_EXP=-7 if k_cache.dtype == torch.float8_e4m3fnuz else -6,
         SIGNED_ZERO=k_cache.dtype != torch.float8_e4m3fnuz,
@@ -229,6 +240,7 @@ def rope_write_mla_kv_cache(
     scale: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
+    rows_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q_pe [T, N, R] and k_pe [T, R] by cos/sin [T, R/2]; write latent rows
     [c_kv [T, L] | rope(k_pe)] into kv_cache [NB, BS, L + R] at `slot_mapping` [T] int64
@@ -236,7 +248,10 @@ def rope_write_mla_kv_cache(
 
     With `norm_weight` [L], the row written is [rms_norm(c_kv, norm_weight, norm_eps) | rope(k_pe)],
     rounded exactly as kernels_rocm.rms_norm then this write (an fp8 cache quantizes the rounded
-    norm): DeepSeek's kv_a_layernorm, whose only consumer is this write, without a launch of its own."""
+    norm): DeepSeek's kv_a_layernorm, whose only consumer is this write, without a launch of its own.
+
+    `rows_out` [T, L + R] (c_kv's dtype) receives the rows written, before any fp8 rounding: what a
+    float cache would hold, bit for bit, for MLA prefill over an fp8 cache to attend its own rows."""
     _check_rope(q_pe, cos, sin, slot_mapping, "q_pe")
     check_tensor("c_kv", c_kv, 2, SUPPORTED_DTYPES)
     check_tensor("k_pe", k_pe, 2, (q_pe.dtype,))
@@ -251,8 +266,15 @@ def rope_write_mla_kv_cache(
         check_tensor("norm_weight", norm_weight, 1, SUPPORTED_DTYPES)
         check_dim("norm_weight", norm_weight, 0, latent, "c_kv width")
     check_same_device(q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, kv_cache=kv_cache, cos=cos, sin=sin, slot_mapping=slot_mapping,
-                      norm_weight=norm_weight)
+                      norm_weight=norm_weight, rows_out=rows_out)
+    rows = {}
+    if rows_out is not None:
+        check_tensor("rows_out", rows_out, 2, (c_kv.dtype,))
+        check_dim("rows_out", rows_out, 0, q_pe.shape[0], "q_pe's tokens")
+        check_dim("rows_out", rows_out, 1, kv_cache.shape[2], "kv_cache's row width")
+        rows = dict(k_rows=rows_out[:, latent:].unsqueeze(1), v_rows=rows_out[:, :latent].unsqueeze(1))
     # one kv "head" per token: the rope part is a column-offset view of the latent rows
     return _launch(slot_mapping, cos, sin, q_pe,
                    k_pe.unsqueeze(1), kv_cache[..., latent:].unsqueeze(2), scale,
-                   c_kv.unsqueeze(1), kv_cache[..., :latent].unsqueeze(2), scale, interleaved, norm_weight, norm_eps)
+                   c_kv.unsqueeze(1), kv_cache[..., :latent].unsqueeze(2), scale, interleaved, norm_weight, norm_eps,
+                   **rows)

@@ -27,7 +27,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 def e4m3_round(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest e4m3fn value (ties to even) by enumerating all 256 codes; saturate."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
-    grid = codes[codes.isfinite()].unique()  # sorted, -448 .. 448
+    grid = codes[codes.isfinite()].unique().to(x.device)  # sorted, -448 .. 448
     x = x.clamp(-448, 448)
     hi = torch.searchsorted(grid, x).clamp(1, len(grid) - 1)
     lo_v, hi_v = grid[hi - 1], grid[hi]
@@ -112,27 +112,32 @@ def _expander(heads: int, latent: int, nope: int, v: int, g: torch.Generator):
 
 
 @pytest.mark.parametrize("budget", [torch_ref.SCORE_BUDGET, 20])
-def test_expanded_mla_attends_the_steps_rows_unquantized(monkeypatch, budget):
+@pytest.mark.parametrize("prompts_only", [False, True], ids=["mixed", "prompts"])
+def test_expanded_mla_attends_the_steps_rows_unquantized(monkeypatch, budget, prompts_only):
     """Expanded MLA over an fp8 cache with `fresh` rows == the same attention over a float cache that
     holds the fresh rows at the step's own tokens and the dequantized entries for earlier context.
     Sequences: a whole prompt, chunks over earlier context (prefix hit / earlier chunk), a lone row
-    in a mixed batch; a score budget of 20 cuts them into one-row segments, a group holding two
-    segments of one sequence."""
+    in a mixed batch; or whole prompts only, whose groups read nothing from the cache (`from_step`).
+    A score budget of 20 cuts them into one-row segments, a group holding two segments of one
+    sequence, and the mixed batch into groups of both kinds."""
     g = torch.Generator().manual_seed(3)
     heads, latent, rope, nope, v = 3, 12, 4, 6, 5
-    ctx, qlen = [5, 11, 9, 23], [5, 4, 1, 13]
+    ctx, qlen = ([5, 11, 9], [5, 11, 9]) if prompts_only else ([5, 11, 9, 23], [5, 4, 1, 13])
     meta = random_batch(ctx, qlen, 24, 4, g)
+    groups = list(torch_ref.segment_groups(meta, heads, budget))
+    from_step = {x.from_step for x in groups}
+    assert from_step == ({True} if prompts_only else {True, False} if budget == 20 else {False})
     if budget != torch_ref.SCORE_BUDGET:  # the cut this case is for
-        assert any(len(x.seqs.unique()) < len(x.seqs) for x in torch_ref.segment_groups(meta, heads, budget))
+        assert any(len(x.seqs.unique()) < len(x.seqs) for x in groups)
     original = torch_ref.segment_groups
     monkeypatch.setattr(torch_ref, "segment_groups", lambda m, n: original(m, n, budget))
     scale = torch.tensor([0.02])
     fp8 = quantize_fp8(torch.randn(24, 4, latent + rope, generator=g), scale, E4M3)  # earlier context
     t = sum(qlen)
-    fresh = torch.randn(t, latent, generator=g) * 2, torch.randn(t, rope, generator=g) * 2
-    torch_ref.write_cache(fp8, torch.cat(fresh, -1), meta.slot_mapping, scale)  # the layer writes, then attends
+    fresh = torch.cat([torch.randn(t, latent, generator=g) * 2, torch.randn(t, rope, generator=g) * 2], -1)
+    torch_ref.write_cache(fp8, fresh, meta.slot_mapping, scale)  # the layer writes, then attends
     dense = fp8.float() * scale
-    torch_ref.write_cache(dense, torch.cat(fresh, -1), meta.slot_mapping)
+    torch_ref.write_cache(dense, fresh, meta.slot_mapping)
     q_nope, q_pe = torch.randn(t, heads, nope, generator=g), torch.randn(t, heads, rope, generator=g)
     expand = _expander(heads, latent, nope, v, g)
 
@@ -250,14 +255,23 @@ def _prompt_logprobs(engine: LLMEngine, prompt: list[int]) -> list[float]:
     return [lp.logprob for lp in out.prompt_logprobs[1:]]
 
 
-def test_fp8_prefill_attends_its_own_tokens_unquantized(deepseek):
+# "auto" is the torch reference on CPU and Triton on a GPU; "triton" on CPU runs its write kernel in
+# the interpreter, whose rows (`rows_out`) the fp8 prefill attends
+BACKENDS = pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the GPU's auto is Triton"))])
+
+
+@BACKENDS
+def test_fp8_prefill_attends_its_own_tokens_unquantized(deepseek, backend):
     """A prompt prefilled in one step scores exactly as with a float cache (fp32 both): every MLA
     layer attends the step's own rows at model precision, only earlier context goes through fp8
     (vLLM's and SGLang's MLA prefill). Cut into chunks of 24 (each > ABSORBED_MAX_QUERY_LEN rows, so
     expanded too), the first chunk still scores as the float engine's same chunk, and later
-    chunks, which read the earlier ones back through fp8, do not."""
+    chunks, which read the earlier ones back through fp8, do not. On a GPU this holds only because
+    the step's rows come from the write kernel itself: rows made again in torch round apart from
+    the kernel's by an fp32 ulp, which this random MoE's routing turned into logprob changes of 1e-3."""
     prompt = PROMPTS[3]  # 77 tokens
-    kw = dict(max_model_len=128, enforce_eager=True)
+    kw = dict(max_model_len=128, enforce_eager=True, attention_backend=backend)
     whole = _prompt_logprobs(LLMEngine(deepseek, **kw), prompt)
     assert _prompt_logprobs(LLMEngine(deepseek, kv_cache_dtype="fp8", **kw), prompt) == whole
     chunked = _prompt_logprobs(LLMEngine(deepseek, max_num_batched_tokens=24, **kw), prompt)
@@ -266,14 +280,16 @@ def test_fp8_prefill_attends_its_own_tokens_unquantized(deepseek):
     assert all(a != b for a, b in zip(fp8_chunked[24:], chunked[24:]))
 
 
-def test_fp8_prefill_after_a_prefix_cache_hit_reads_the_hit_through_fp8(deepseek):
+@BACKENDS
+def test_fp8_prefill_after_a_prefix_cache_hit_reads_the_hit_through_fp8(deepseek, backend):
     """A prompt whose first 48 tokens hit the prefix cache prefills its 29 other tokens (expanded)
     over the cached 48 as the fp8 cache holds them: its first token's logprob moves away from the
     float engine's (same schedule), while the same prompt without the hit matches it exactly."""
     prompt, params = PROMPTS[3], SamplingParams(temperature=0, max_tokens=1, logprobs=0)
 
     def first_logprob(kv: str, warm: bool) -> float:
-        engine = LLMEngine(deepseek, max_model_len=128, enforce_eager=True, kv_cache_dtype=kv)
+        engine = LLMEngine(deepseek, max_model_len=128, enforce_eager=True, kv_cache_dtype=kv,
+                           attention_backend=backend)
         if warm:
             engine.generate([prompt[:48]], params, use_tqdm=False)
         out = engine.generate([prompt], params, use_tqdm=False)[0]

@@ -164,6 +164,36 @@ def test_rope_write_mla_fused_latent_norm(case):
     torch.testing.assert_close(stored, ref, atol=0.1 if fp8 else 0.05, rtol=0.07 if fp8 else 0.01)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "latent_norm"])
+def test_rope_write_mla_rows_out_are_the_float_cache_rows(dtype, norm):
+    """`rows_out` of a write into an fp8 cache holds, bit for bit, the rows the same kernel stores
+    into a float cache (what MLA prefill over an fp8 cache attends for the step's own tokens), and
+    the fp8 cache holds exactly their rounding; rows of slot -1 are left as they were."""
+    g = torch.Generator().manual_seed(13)
+    tokens, heads, latent, rope = 7, 3, 40, 16
+    rotary = _rotary(rope, True)
+    cos, sin = _cos_sin(rotary, tokens, dtype, g)
+    q_pe = torch.randn(tokens, heads, rope, generator=g).to(dtype)
+    c_kv, k_pe = (torch.randn(tokens, latent + rope, generator=g) * 3).to(dtype).split([latent, rope], dim=-1)
+    extra = dict(norm_weight=torch.randn(latent, generator=g).to(dtype), norm_eps=1e-5) if norm else {}
+    slots = _slots(tokens, NUM_BLOCKS, BLOCK_SIZE, g, skip=(4,))
+    written = slots >= 0
+    float_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, latent + rope, generator=g).to(dtype)
+    rope_write_mla_kv_cache(q_pe, c_kv, k_pe, float_cache, cos, sin, slots, **extra)
+    scale = torch.tensor([0.043])
+    fp8_cache = _fp8_cache((NUM_BLOCKS, BLOCK_SIZE, latent + rope), FP8[0], scale, g)
+    rows_out = torch.full((tokens, latent + rope), 7.0, dtype=dtype)
+    rope_write_mla_kv_cache(q_pe, c_kv, k_pe, fp8_cache, cos, sin, slots, scale=scale, rows_out=rows_out, **extra)
+    assert torch.equal(rows_out[written], float_cache.flatten(0, 1)[slots[written]])
+    assert (rows_out[~written] == 7.0).all()
+    expected = fp8_cache.clone()
+    _write_reference(expected, rows_out, scale, slots)
+    assert _same_bits(fp8_cache, expected)
+    with pytest.raises(ValueError, match="rows_out has shape"):
+        rope_write_mla_kv_cache(q_pe, c_kv, k_pe, fp8_cache, cos, sin, slots, scale=scale, rows_out=rows_out[:, 1:])
+
+
 def test_padding_rows_write_nothing_but_rotate_q():
     g = torch.Generator().manual_seed(9)
     rotary = _rotary(16, False)

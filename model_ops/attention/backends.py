@@ -157,17 +157,25 @@ class MLABackend(AttentionBackend):
     """
 
     def write(self, cache: torch.Tensor, rows: MLARows, slot_mapping: torch.Tensor,
-              scales: KVScales = None, latent_norm: RMSNorm | None = None) -> None:
-        torch_ref.write_cache(cache, torch.cat(mla_row_values(rows, latent_norm), dim=-1), slot_mapping,
-                              _latent(scales))
+              scales: KVScales = None, latent_norm: RMSNorm | None = None,
+              rows_out: torch.Tensor | None = None) -> None:
+        values = torch.cat(mla_row_values(rows, latent_norm), dim=-1)
+        torch_ref.write_cache(cache, values, slot_mapping, _latent(scales))
+        if rows_out is not None:
+            rows_out.copy_(values)
 
     def write_rotated(self, cache: torch.Tensor, q_pe: torch.Tensor, rows: MLARows,
                       rotary: RotaryEmbedding, cos_sin: CosSin, slot_mapping: torch.Tensor,
-                      scales: KVScales = None, latent_norm: RMSNorm | None = None) -> torch.Tensor:
+                      scales: KVScales = None, latent_norm: RMSNorm | None = None,
+                      rows_out: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate q_pe [T, N, R] and the k_pe of rows = (latent, k_pe), write [latent | rope(k_pe)]
         (latent through `latent_norm` when given); return rope(q_pe). The eager reference; kernels
-        override it."""
-        self.write(cache, mla_row_values(rows, rope=(rotary, cos_sin)), slot_mapping, scales, latent_norm)
+        override it.
+
+        `rows_out` [T, L + R] (both writes), when given, receives the rows written before any fp8
+        rounding, as the backend made them: the `fresh` rows of an fp8 prefill (attend_expanded),
+        equal bit for bit to what a float cache written by the same backend holds."""
+        self.write(cache, mla_row_values(rows, rope=(rotary, cos_sin)), slot_mapping, scales, latent_norm, rows_out)
         return rotary.apply(q_pe, *cos_sin)
 
     @abstractmethod
@@ -178,9 +186,9 @@ class MLABackend(AttentionBackend):
 
     def attend_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, expand: torch_ref.LatentExpander,
-                        scales: KVScales = None, fresh: MLARows | None = None) -> torch.Tensor:
+                        scales: KVScales = None, fresh: torch.Tensor | None = None) -> torch.Tensor:
         """q_nope [T, N, P], q_pe [T, N, R] -> [T, N, V], context rows expanded through `expand`
-        (kv_b_proj). `fresh`: this step's rows at model precision (mla_row_values), attended in
+        (kv_b_proj). `fresh` [T, L + R]: this step's rows at model precision (the write's `rows_out`), attended in
         place of their cached copies (torch_ref.mla_expanded_attention). Backends without a
         prefill kernel inherit the reference."""
         return torch_ref.mla_expanded_attention(q_nope, q_pe, cache, meta, scale, expand, _latent(scales), fresh)
@@ -232,19 +240,22 @@ class TritonMLABackend(MLABackend):
 
     name = "triton"
 
-    def write(self, cache, rows, slot_mapping, scales=None, latent_norm=None):
+    def write(self, cache, rows, slot_mapping, scales=None, latent_norm=None, rows_out=None):
         from kernels_rocm.kv_cache import write_mla_kv_cache
 
         # the models write through write_rotated; this unrotated write keeps the norm a launch of its own
         latent = rows[0] if latent_norm is None else latent_norm(rows[0])
         write_mla_kv_cache(latent, rows[1], cache, slot_mapping, **_kernel_scales(scales, "scale"))
+        if rows_out is not None:
+            torch.cat([latent, rows[1]], dim=-1, out=rows_out)
 
-    def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None, latent_norm=None):
+    def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None, latent_norm=None,
+                      rows_out=None):
         from kernels_rocm.rope_kv_cache import rope_write_mla_kv_cache
 
         norm = {} if latent_norm is None else dict(norm_weight=latent_norm.weight, norm_eps=latent_norm.eps)
         return rope_write_mla_kv_cache(q_pe, rows[0], rows[1], cache, *cos_sin, slot_mapping, rotary.interleaved,
-                                       **_kernel_scales(scales, "scale"), **norm)
+                                       **_kernel_scales(scales, "scale"), **norm, rows_out=rows_out)
 
     def attend_expanded(self, q_nope, q_pe, cache, meta, scale, expand, scales=None, fresh=None):
         return torch_ref.mla_expanded_attention(q_nope, q_pe, cache, meta, scale, expand, _latent(scales), fresh,
@@ -271,11 +282,13 @@ class AiterMLABackend(MLABackend):
         self.fallback = fallback if fallback is not None else TritonMLABackend()
         self._step: tuple[AttentionMetadata, MLADecodeMetadata] | None = None
 
-    def write(self, cache, rows, slot_mapping, scales=None, latent_norm=None):
-        self.fallback.write(cache, rows, slot_mapping, scales, latent_norm)
+    def write(self, cache, rows, slot_mapping, scales=None, latent_norm=None, rows_out=None):
+        self.fallback.write(cache, rows, slot_mapping, scales, latent_norm, rows_out)
 
-    def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None, latent_norm=None):
-        return self.fallback.write_rotated(cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales, latent_norm)
+    def write_rotated(self, cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales=None, latent_norm=None,
+                      rows_out=None):
+        return self.fallback.write_rotated(cache, q_pe, rows, rotary, cos_sin, slot_mapping, scales, latent_norm,
+                                           rows_out)
 
     def attend_expanded(self, q_nope, q_pe, cache, meta, scale, expand, scales=None, fresh=None):
         return self.fallback.attend_expanded(q_nope, q_pe, cache, meta, scale, expand, scales, fresh)

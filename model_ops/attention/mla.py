@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from model_ops import tp
-from model_ops.attention.backends import AttentionKind, MLABackend, mla_row_values
+from model_ops.attention.backends import AttentionKind, MLABackend
 from model_ops.attention.layer import CachedAttention, Rope
 from model_ops.attention.metadata import AttentionMetadata
 from model_ops.layernorm import RMSNorm
@@ -103,13 +103,18 @@ class MLAAttention(CachedAttention):
         cache, backend = self._bound()
         if not isinstance(backend, MLABackend):
             raise TypeError(f"MLA layer bound to {type(backend).__name__}, which is not an MLABackend")
-        if rope is None:
-            backend.write(cache, (latent, k_pe), meta.slot_mapping, self.kv_scales, latent_norm)
-        else:
-            q_pe = backend.write_rotated(cache, q_pe, (latent, k_pe), *rope, meta.slot_mapping, self.kv_scales,
-                                         latent_norm)
         if absorbed is None:
             absorbed = meta.max_query_len <= ABSORBED_MAX_QUERY_LEN
+        # An fp8 cache in the expanded form: the step's own rows are attended at model precision and
+        # only earlier context is read back through fp8, as vLLM's (_forward_prefill) and SGLang's MLA
+        # prefill do. The write hands back the rows it made (normalized, rotated) before rounding them,
+        # so they are bit for bit what a float cache written by the same backend would hold.
+        fresh = None if absorbed or self.kv_scales is None else latent.new_empty(latent.shape[0], cache.shape[-1])
+        if rope is None:
+            backend.write(cache, (latent, k_pe), meta.slot_mapping, self.kv_scales, latent_norm, fresh)
+        else:
+            q_pe = backend.write_rotated(cache, q_pe, (latent, k_pe), *rope, meta.slot_mapping, self.kv_scales,
+                                         latent_norm, fresh)
         if absorbed:
             w_uk, w_uv = self._w_uk_uv()
             w_uk_t = w_uk.transpose(1, 2) if self.w_uk_t is None else self.w_uk_t
@@ -117,11 +122,5 @@ class MLAAttention(CachedAttention):
             out_latent = backend.attend_absorbed(q_latent, q_pe, cache, meta, self.scale, self.kv_scales)
             out = dense_per_head(out_latent, w_uv)  # [T, N, V]
         else:
-            # An fp8 cache: the step's own rows are attended at model precision and only earlier
-            # context is read back through fp8, as vLLM's (_forward_prefill) and SGLang's MLA
-            # prefill do. The Triton write makes these values only inside its kernel, so they are
-            # made again here in torch (one norm and one rotation of [T, L + R]): only fp8 prefill
-            # pays it, since a float cache holds exactly them.
-            fresh = None if self.kv_scales is None else mla_row_values((latent, k_pe), latent_norm, rope)
             out = backend.attend_expanded(q_nope, q_pe, cache, meta, self.scale, self.expand, self.kv_scales, fresh)
         return out.flatten(1)

@@ -126,6 +126,7 @@ class SegmentGroup:
     rows: torch.Tensor  # flat query rows of this group, in order
     meta: AttentionMetadata  # the group as a batch of its own (slot_mapping unused)
     seqs: torch.Tensor  # the step's sequence each segment is cut from
+    from_step: bool  # no segment's sequence has context before this step: every row it attends is the step's
 
 
 def segment_groups(meta: AttentionMetadata, num_heads: int, budget: int = SCORE_BUDGET) -> Iterator[SegmentGroup]:
@@ -135,13 +136,13 @@ def segment_groups(meta: AttentionMetadata, num_heads: int, budget: int = SCORE_
     device = meta.query_start_loc.device
     qsl = meta.query_start_loc.tolist()
     ctx = meta.context_lens.tolist()
-    segments = []  # (seq, first flat row, rows, context)
+    segments = []  # (seq, first flat row, rows, context, the sequence's context before the step)
     for b, c in enumerate(ctx):
         start, n = qsl[b], qsl[b + 1] - qsl[b]
         chunk = max(1, budget // max(1, c * num_heads))
         for j0 in range(0, n, chunk):
             j1 = min(n, j0 + chunk)
-            segments.append((b, start + j0, j1 - j0, c - n + j1))
+            segments.append((b, start + j0, j1 - j0, c - n + j1, c - n))
 
     group: list[tuple[int, int, int, int]] = []
     max_rows = max_ctx = 0
@@ -168,7 +169,7 @@ def _make_group(group, meta: AttentionMetadata, max_rows: int, max_ctx: int, dev
         max_query_len=max_rows,
         max_context_len=max_ctx,
     )
-    return SegmentGroup(rows, sub, seqs)
+    return SegmentGroup(rows, sub, seqs, from_step=all(s[4] == 0 for s in group))
 
 
 def paged_attention(
@@ -215,14 +216,14 @@ PaddedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionM
 def mla_expanded_attention(
     q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     expand: LatentExpander, kv_scale: torch.Tensor | None = None,
-    fresh: tuple[torch.Tensor, torch.Tensor] | None = None, attention: PaddedAttention | None = None,
+    fresh: torch.Tensor | None = None, attention: PaddedAttention | None = None,
 ) -> torch.Tensor:
     """MLA in the expanded form: each group's context latent rows (dequantized to q's dtype when
     the cache is fp8) go through `expand` to per-head k_nope / v, keys are [k_nope | shared rope
     part], and q = [q_nope | q_pe] attends causally with qk dim P + R and v dim V. Returns [T, N, V].
 
-    `fresh` = (latent [T, L], k_pe [T, R]): this step's rows as written (normalized, rotated), at
-    model precision; they replace, in each sequence's context, the cached rows of the step's own
+    `fresh` [T, L + R]: this step's rows as written (normalized, rotated), at model precision
+    (the write's `rows_out`); they replace, in each sequence's context, the cached rows of the step's own
     tokens, so only earlier context (prefix-cache hits, earlier chunks) is read through the cache.
     MLAAttention passes them for an fp8 cache (vLLM's and SGLang's MLA prefill attend the new
     tokens unquantized); a float cache already holds these values.
@@ -234,13 +235,18 @@ def mla_expanded_attention(
     num_heads, rope_dim = q_pe.shape[1], q_pe.shape[2]
     latent_dim = cache.shape[-1] - rope_dim
     q = torch.cat([q_nope, q_pe], dim=-1)
-    step_rows = None if fresh is None else torch.cat(fresh, dim=-1).to(q.dtype)
+    step_rows = None if fresh is None else fresh.to(q.dtype)
     out: torch.Tensor | None = None
     core = attention or padded_causal_attention
     for g in segment_groups(meta, num_heads if attention is None else 1):
-        rows = read_rows(gather_cache(cache, g.meta.block_tables, g.meta.max_context_len), kv_scale, q.dtype)
-        if step_rows is not None:
-            overlay_step_rows(rows, step_rows, g, meta)
+        if step_rows is not None and g.from_step:
+            # prompts with no earlier context (no prefix hit, a first chunk): nothing to read back,
+            # the group's rows are all the step's (positions past a context take a clamped row, masked)
+            rows = step_rows[step_row_index(g.meta.max_context_len, g, meta, step_rows.shape[0])[1]]
+        else:
+            rows = read_rows(gather_cache(cache, g.meta.block_tables, g.meta.max_context_len), kv_scale, q.dtype)
+            if step_rows is not None:
+                overlay_step_rows(rows, step_rows, g, meta)
         k_nope, values = expand(rows[..., :latent_dim])
         k_pe = rows[..., None, latent_dim:].expand(-1, -1, num_heads, -1)
         keys = torch.cat([k_nope, k_pe.to(k_nope.dtype)], dim=-1)
@@ -252,16 +258,25 @@ def mla_expanded_attention(
     return out
 
 
+def step_row_index(length: int, group: SegmentGroup, meta: AttentionMetadata,
+                   num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For positions 0 ..< length of each of a group's segments: (own [G, length], whether the position
+    holds one of the step's own tokens; src [G, length], that token's flat row among the step's
+    `num_tokens`, clamped into range where it does not). Segment g, cut from sequence b, sees the step's tokens at positions
+    context_lens[b] - q_len[b] ..< its own context length; the token at position p is the step's flat
+    row query_start_loc[b] + p - (context_lens[b] - q_len[b])."""
+    first = (meta.context_lens - meta.query_lens).long()[group.seqs]  # the step's first position, per segment
+    pos = torch.arange(length, device=first.device)[None, :]
+    own = (pos >= first[:, None]) & (pos < group.meta.context_lens.long()[:, None])
+    src = (meta.query_start_loc.long()[group.seqs][:, None] + pos - first[:, None]).clamp(0, num_tokens - 1)
+    return own, src
+
+
 def overlay_step_rows(rows: torch.Tensor, step_rows: torch.Tensor, group: SegmentGroup,
                       meta: AttentionMetadata) -> None:
     """Overwrite, in a group's gathered context rows [G, S, D], the positions of the step's own
-    tokens with their `step_rows` [T, D] (flat, as the step's queries). Segment g, cut from sequence b,
-    sees the step's tokens at positions context_lens[b] - q_len[b] ..< its own context length;
-    the token at position p is the step's flat row query_start_loc[b] + p - (context_lens[b] - q_len[b])."""
-    first = (meta.context_lens - meta.query_lens).long()[group.seqs]  # the step's first position, per segment
-    pos = torch.arange(rows.shape[1], device=rows.device)[None, :]
-    own = (pos >= first[:, None]) & (pos < group.meta.context_lens.long()[:, None])
-    src = (meta.query_start_loc.long()[group.seqs][:, None] + pos - first[:, None]).clamp(0, step_rows.shape[0] - 1)
+    tokens with their `step_rows` [T, D] (flat, as the step's queries; see step_row_index)."""
+    own, src = step_row_index(rows.shape[1], group, meta, step_rows.shape[0])
     # a select, not a boolean-mask assignment (that one reads the mask's count back to the host);
     # rows is a gathered copy, never the cache
     rows.copy_(torch.where(own[..., None], step_rows[src], rows))

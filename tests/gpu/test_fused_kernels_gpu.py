@@ -249,6 +249,31 @@ def test_rope_write_mla_fused_latent_norm(fp8, tokens):
     assert differ <= 1e-3
 
 
+@pytest.mark.parametrize("tokens", [1, 37, 1000])
+def test_rope_write_mla_rows_out_equal_a_bf16_cache(tokens):
+    """The rows an fp8 write hands back (`rows_out`, what MLA prefill over an fp8 cache attends for its
+    own tokens) equal, bit for bit, the rows the same kernel stores into a bf16 cache, at Kimi TP8's
+    shapes with the fused latent norm; the fp8 cache holds exactly their rounding."""
+    from kernels_rocm.kv_cache import write_mla_kv_cache
+
+    g = torch.Generator().manual_seed(50 + tokens)
+    rotary, (cos, sin), slots = _setup(64, True, tokens, g)
+    q_pe = torch.randn(tokens, 8, 64, generator=g).to(DEVICE, DT)
+    c_kv, k_pe = (torch.randn(tokens, 576, generator=g) * 0.5).to(DEVICE, DT).split([512, 64], dim=-1)
+    norm = dict(norm_weight=(1 + 0.2 * torch.randn(512, generator=g)).to(DEVICE, DT), norm_eps=1e-6)
+    bf16_cache = torch.randn(max(64, tokens // 16 + 8), 16, 576, generator=g).to(DEVICE, DT)
+    fp8_cache = bf16_cache.to(torch.float8_e4m3fn)
+    scale = torch.tensor([0.02], device=DEVICE)
+    rope_write_mla_kv_cache(q_pe, c_kv, k_pe, bf16_cache, cos, sin, slots, **norm)
+    rows = torch.empty(tokens, 576, device=DEVICE, dtype=DT)
+    rope_write_mla_kv_cache(q_pe, c_kv, k_pe, fp8_cache, cos, sin, slots, scale=scale, rows_out=rows, **norm)
+    written = slots >= 0
+    assert torch.equal(rows[written], bf16_cache.flatten(0, 1)[slots[written]])
+    expected = fp8_cache.clone()
+    write_mla_kv_cache(rows[:, :512], rows[:, 512:], expected, slots, scale=scale)
+    assert torch.equal(fp8_cache.view(torch.uint8), expected.view(torch.uint8))
+
+
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_skinny_gemm_rms_norm_prologue(m):
     """q_a_layernorm as the GEMV's prologue at Kimi TP8's q_b_proj (K 1536 -> N 1536, x a view of the
