@@ -76,6 +76,9 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    # whether a CUDA/HIP graph can capture its calls; the torch reference cannot (its writes and
+    # attention read the step's metadata back to the host: boolean masks, per-sequence loops)
+    capturable: bool = True
 
     @abstractmethod
     def write(self, cache: torch.Tensor, rows: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor,
@@ -111,6 +114,7 @@ class TorchMHABackend(MHABackend):
     """MHA/GQA cache [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V)."""
 
     name = "torch"
+    capturable = False
 
     def write(self, cache, rows, slot_mapping, scales=None):
         key, value = rows
@@ -214,6 +218,7 @@ def mla_row_values(rows: MLARows, latent_norm: RMSNorm | None = None,
 
 class TorchMLABackend(MLABackend):
     name = "torch"
+    capturable = False
 
     def attend_absorbed(self, q_latent, q_pe, cache, meta, scale, scales=None):
         return torch_ref.mla_absorbed_attention(q_latent, q_pe, cache, meta, scale, _latent(scales))

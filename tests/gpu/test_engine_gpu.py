@@ -148,3 +148,27 @@ def test_changing_k_compiles_nothing_after_start_up(make_llama, make_eagle3_llam
         engine.generate(prompts(batch, seed=batch), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                         use_tqdm=False)
     assert compiled() == after_start_up
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek"])
+def test_the_torch_reference_backend_runs_eagerly_with_one_warning(make_llama, make_deepseek, model, caplog):
+    """`--attention-backend torch` on a GPU without --enforce-eager: its writes and attention read the
+    step's metadata back to the host, which a CUDA graph cannot capture (capturing it failed with "operation
+    not permitted when stream is capturing"); the engine decodes eagerly instead, says so once, and gives
+    the tokens of the same backend under --enforce-eager."""
+    import logging
+
+    path = make_llama(**GPU_LLAMA) if model == "llama" else make_deepseek()
+    kw = dict(dtype="float32", max_model_len=128, gpu_memory_utilization=0.3, attention_backend="torch")
+    batch = [[t % (2048 if model == "llama" else 128) for t in p] for p in prompts(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with caplog.at_level(logging.WARNING, logger="atom_like.engine.model_runner"):
+        engine = LLMEngine(path, **kw)
+    warnings = [r.getMessage() for r in caplog.records if "graph cannot capture" in r.getMessage()]
+    assert len(warnings) == 1 and "attention backend torch" in warnings[0]
+    assert engine.runner.graphs is None
+    got = [o.token_ids for o in engine.generate(batch, params, use_tqdm=False)]
+    del engine
+    eager = LLMEngine(path, enforce_eager=True, **kw)
+    assert got == [o.token_ids for o in eager.generate(batch, params, use_tqdm=False)]
+    assert all(len(t) == 12 for t in got)
