@@ -214,6 +214,11 @@ CASES: dict[str, Callable[[str], None]] = {
     "MXFP4 MoE Kimi TP8 T512 w4a4 down 8 N tiles K256": lambda target: target == "sm90" and _mxfp4_moe(
         384, 8, 7168, 256, 512, True, down_n_tiles=8, down_block_k=256),
     "MXFP4 MoE Kimi E384 I2048 T16 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 2048, 16, True),
+    # prefill_config's tiles (NVIDIA only: AMD keeps the small-M tiles): 64-row blocks, then 128-row
+    "MXFP4 MoE Kimi TP8 T2048 w4a4 prefill": lambda target: target == "sm90" and _mxfp4_moe(
+        384, 8, 7168, 256, 2048, True),
+    "MXFP4 MoE Kimi TP8 T8192 w4a4 prefill": lambda target: target == "sm90" and _mxfp4_moe(
+        384, 8, 7168, 256, 8192, True),
     "MXFP4 MoE decode Kimi TP8 T1 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, False, decode=True),
     "MXFP4 MoE decode Kimi TP8 T1 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, True, decode=True),
     "MXFP4 MoE decode Kimi TP8 T4 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 4, False, decode=True),
@@ -239,6 +244,8 @@ CASES: dict[str, Callable[[str], None]] = {
         384, 8, 7168, 2048, 128, True, expert_gemv=True),
     "MXFP4 linear M4 N512 K7168 w4a4 split 8": lambda _: _mxfp4_linear(4, 512, 7168, True, split=8),
     "MXFP4 linear M64 N7168 K256 w4a16": lambda _: _mxfp4_linear(64, 7168, 256, False),
+    # WIDE_TILES (NVIDIA only): 128 x 256 on 8 warps at Kimi TP8's dense gate_up in prefill
+    "MXFP4 linear M8192 N4608 K7168 w4a4": lambda target: target == "sm90" and _mxfp4_linear(8192, 4608, 7168, True),
     "kv write MHA fp8": lambda t: write_kv_cache(_t(64, 8, 128), _t(64, 8, 128), _t(99, 16, 8, 128, dtype=_fp8_dtype(t)),
                                                  _t(99, 16, 8, 128, dtype=_fp8_dtype(t)), _t(64, dtype=torch.int64),
                                                  k_scale=_t(1, dtype=torch.float32), v_scale=_t(1, dtype=torch.float32)),

@@ -65,7 +65,19 @@ def choose_split_k(tiles: int, k: int, block_k: int, device: torch.device) -> in
     return split
 
 
+# NVIDIA tiles for many rows, largest first: (block_m, block_n, num_warps), block_k 64, 3 stages. H100
+# sweep (docs/benchmarks.md section 6, "MXFP4 GEMMs at prefill sizes"): at Kimi TP8's dense MLP
+# (N 4608 / K 7168, N 7168 / K 2304) and M = 8,192, 128 x 256 runs 2.3-2.5x the 64 x 64 tiles below
+# (216-230 against 92-95 TFLOP/s); a tile is taken while it still gives half an SM's worth of programs.
+WIDE_TILES = ((128, 256, 8), (128, 128, 8), (64, 128, 4))
+
+
 def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    if not IS_HIP:  # AMD: never measured with these tiles
+        enough = num_compute_units(device) // 2
+        for bm, bn, warps in WIDE_TILES:
+            if m >= bm and triton.cdiv(m, bm) * triton.cdiv(n, bn) >= enough:
+                return GemmConfig(bm, bn, 64, 1, num_warps=warps, num_stages=3)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64
     block_k = 64 if IS_HIP else 128  # 128 spills a few VGPRs on gfx942

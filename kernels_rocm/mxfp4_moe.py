@@ -121,6 +121,23 @@ class MoeConfig:
     down_n_tiles: int = 1
 
 
+PREFILL_PAIRS_PER_EXPERT = 32
+
+
+def prefill_config(pairs_per_expert: float) -> MoeConfig:
+    """NVIDIA tiles for more than PREFILL_PAIRS_PER_EXPERT pairs an expert: 64-row M blocks with 128 x 64
+    tiles in both GEMMs up to 64 pairs an expert, then 128-row blocks (GEMM 1 128 x 128 on 8 warps,
+    GEMM 2 256 x 64 on 8 warps). H100 sweep, W4A4 (docs/benchmarks.md section 6, "MXFP4 GEMMs at
+    prefill sizes"): Kimi TP8 T = 2,048 / 4,096 / 8,192 1.44x / 1.58x / 1.38x the 32- and 64-row
+    tiles of `default_config`, full width T = 8,192 1.34x; up to 32 pairs an expert (T = 512 / 1,024)
+    those stay ahead. W4A16 takes the same tiles (not swept)."""
+    if pairs_per_expert <= 64:
+        tile = GemmConfig(64, 128, 64, 1, num_warps=4, num_stages=3)
+        return MoeConfig(tile, tile)
+    return MoeConfig(GemmConfig(128, 128, 128, 1, num_warps=8, num_stages=3),
+                     GemmConfig(128, 256, 64, 1, num_warps=8, num_stages=3))
+
+
 def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                    device: torch.device) -> MoeConfig:
     """64 gate + 64 up rows per GEMM 1 program (each activation tile is loaded and QDQ'd for more
@@ -128,8 +145,11 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
     GEMM 1 split along K while the grid is small. GEMM 2: on NVIDIA with 16-row M blocks, programs
     of 4 N tiles of 128 columns (H100 sweep: 12% faster at Kimi TP8 T = 256 / 512, whose K = 256
     is two tiles, so setup and pipeline fill dominated a one-tile program; 0.6-2% at full width);
-    elsewhere, and on AMD where it was never measured, one tile of 64 columns a program."""
+    elsewhere, and on AMD where it was never measured, one tile of 64 columns a program.
+    Prefill-sized calls on NVIDIA (more than 32 pairs an expert): `prefill_config`."""
     num_pairs = num_tokens * top_k
+    if not IS_HIP and num_pairs > PREFILL_PAIRS_PER_EXPERT * num_experts:
+        return prefill_config(num_pairs / num_experts)
     block_m = choose_block_m(num_pairs, num_experts)
     stages = 2 if IS_HIP else 3
     # M blocks in use: about one per expert hit while experts get <= block_m pairs each

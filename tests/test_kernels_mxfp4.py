@@ -18,7 +18,9 @@ import torch.nn.functional as F
 
 from _kernel_cases import nan_like
 from kernels_rocm.mxfp4_linear import GemmConfig, mxfp4_linear
-from kernels_rocm.mxfp4_moe import DECODE_MAX_TOKENS, MoeConfig, default_config, fused_moe_mxfp4, qdq_rows
+from kernels_rocm import mxfp4_linear as mxfp4_linear_mod
+from kernels_rocm.mxfp4_moe import (DECODE_MAX_TOKENS, PREFILL_PAIRS_PER_EXPERT, MoeConfig, default_config,
+                                     fused_moe_mxfp4, prefill_config, qdq_rows)
 from kernels_rocm import mxfp4_moe_decode
 from kernels_rocm.mxfp4_moe_decode import DecodeConfig
 from model_ops.quant.mxfp4 import dequantize_mxfp4, qdq_mxfp4, quantize_mxfp4
@@ -72,6 +74,36 @@ def test_linear_matches_reference(quantize, config):
     out = mxfp4_linear(x, packed, scale, bias, quantize_activations=quantize, config=config,
                        out=nan_like(torch.empty(m, n)))
     _close(out, _linear_reference(x, packed, scale, bias, quantize))
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+@pytest.mark.parametrize("tiles", mxfp4_linear_mod.WIDE_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_linear_wide_tiles_match_reference(quantize, tiles):
+    """The NVIDIA tiles for many rows (WIDE_TILES, block_k 64) on a partial M and N tile and K = 5 blocks."""
+    g = torch.Generator().manual_seed(9)
+    bm, bn, warps = tiles
+    m, n, k = bm + 3, bn + 40, 160
+    packed, scale = _random_mxfp4(n, k, g=g)
+    x = torch.randn(m, k, generator=g) * 3
+    out = mxfp4_linear(x, packed, scale, quantize_activations=quantize, out=nan_like(torch.empty(m, n)),
+                       config=GemmConfig(bm, bn, 64, 1, num_warps=warps, num_stages=3))
+    _close(out, _linear_reference(x, packed, scale, None, quantize))
+
+
+def test_linear_default_config_takes_wide_tiles_while_they_fill_half_the_sms(monkeypatch):
+    """At Kimi TP8's dense MLP shapes on a 132-SM GPU (the H100 sweep's choices): 128 x 256 from M = 512,
+    128 x 128 at M = 256, 64 x 128 at M = 128 on N = 7168; the small-M tiles below that; AMD never."""
+    monkeypatch.setattr(mxfp4_linear_mod, "num_compute_units", lambda device: 132)
+    pick = lambda m, n, k: mxfp4_linear_mod.default_config(m, n, k, torch.device("cpu"))  # noqa: E731
+    assert (pick(8192, 4608, 7168).block_m, pick(8192, 4608, 7168).block_n) == (128, 256)
+    assert (pick(512, 4608, 7168).block_m, pick(512, 4608, 7168).block_n) == (128, 256)
+    assert (pick(256, 4608, 7168).block_m, pick(256, 4608, 7168).block_n) == (128, 128)
+    assert (pick(128, 7168, 2304).block_m, pick(128, 7168, 2304).block_n) == (64, 128)
+    assert (pick(2048, 512, 7168).block_m, pick(2048, 512, 7168).block_n) == (64, 128)
+    assert (pick(64, 4608, 7168).block_m, pick(64, 4608, 7168).block_n) == (64, 64)  # 36 programs: too few
+    assert pick(8, 4608, 7168).block_m == 16
+    monkeypatch.setattr(mxfp4_linear_mod, "IS_HIP", True)
+    assert (pick(8192, 4608, 7168).block_m, pick(8192, 4608, 7168).block_n) == (64, 64)
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
@@ -215,6 +247,30 @@ def test_moe_with_a_fused_shared_expert_slot(path):
     alone = [fused_moe_mxfp4(x, w13, s13, w2, s2, weights[:, cols].contiguous(), ids[:, cols].contiguous(), True,
                              config=config) for cols in (slice(0, routed), slice(routed, None))]
     _close(out, alone[0] + alone[1])
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+@pytest.mark.parametrize("pairs_per_expert", [40, 100], ids=["bm64", "bm128"])
+def test_moe_prefill_tiles_match_reference(quantize, pairs_per_expert):
+    """`prefill_config`'s tiles (64- and 128-row M blocks, 128 x 64 / 128 x 128 / 256 x 64) against the
+    reference, with 70 tokens over 6 experts (two M blocks for the hot expert, experts with none)."""
+    g = torch.Generator().manual_seed(12)
+    x, w13, s13, w2, s2, weights, ids = _moe_case(70, 2, g)
+    config = prefill_config(pairs_per_expert)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, out=nan_like(x), config=config)
+    _close(out, _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
+
+
+def test_moe_default_config_takes_the_prefill_tiles_past_32_pairs_an_expert(monkeypatch):
+    """Kimi TP8 (384 experts, top-8): T = 1,536 is 32 pairs an expert (the small-M tiles), 2,048 is 42.7
+    (64-row blocks), 8,192 is 170.7 (128-row blocks); AMD keeps the small-M tiles."""
+    pick = lambda t: default_config(t, 8, 384, 7168, 256, torch.device("cpu"))  # noqa: E731
+    assert PREFILL_PAIRS_PER_EXPERT == 32
+    assert pick(1536).gate_up.block_m == 32
+    assert pick(2048) == prefill_config(2048 * 8 / 384) and pick(2048).gate_up.block_m == 64
+    assert pick(8192) == prefill_config(8192 * 8 / 384) and pick(8192).down.block_m == 128
+    monkeypatch.setattr("kernels_rocm.mxfp4_moe.IS_HIP", True)
+    assert pick(8192).gate_up.block_m == 64 and pick(8192).gate_up.block_n == 64
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])

@@ -91,7 +91,7 @@ def moe_inputs(shape, num_tokens, seed=0):
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
-@pytest.mark.parametrize("num_tokens", [1, 7, 32, 256])
+@pytest.mark.parametrize("num_tokens", [1, 7, 32, 256, 2048, 8192])  # 2048 / 8192: prefill_config's tiles
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
 def test_fused_moe_mxfp4(shape, num_tokens, quantize):
     x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens)
@@ -255,7 +255,7 @@ LINEAR_SHAPES = {"shared_gate_up_tp8": (512, 7168), "shared_down_tp8": (7168, 25
 
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
-@pytest.mark.parametrize("num_tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("num_tokens", [1, 5, 64, 300, 2048])  # 300 / 2048: WIDE_TILES on NVIDIA
 @pytest.mark.parametrize("shape", list(LINEAR_SHAPES))
 def test_mxfp4_linear(shape, num_tokens, quantize):
     n, k = LINEAR_SHAPES[shape]
