@@ -130,9 +130,15 @@ def dense_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T summed and returned in fp32, as F.linear(x.float(), W.float()) computes it (a MoE
     router's logits, which every reference takes in fp32). Decode-sized 16-bit products on an
     NVIDIA GPU run the GEMV kernel with an fp32 output: no fp32 copy of W each step (that copy
-    and cuBLAS's fp32 GEMV took ~16 us of a Kimi-K2.5 layer at batch 1 on an H200)."""
+    and cuBLAS's fp32 GEMV took ~16 us of a Kimi-K2.5 layer at batch 1 on an H200). Larger ones
+    there take cuBLAS's 16-bit GEMM with an fp32 output (`torch.mm(out_dtype=)`): 16-bit products
+    are exact in fp32 and the sums run in fp32, as in the fp32 GEMM, in another order; the fp32
+    GEMM of the copies ran at fp32 SIMT speed, 0.9 ms of a Kimi TP8 rank's MoE layer per 8,192
+    prompt tokens on an H100 (docs/benchmarks.md section 6)."""
     if (kernels := _gemv_for(x, weight, fp32_out=True)) is not None:
         return kernels.skinny_gemm(x, weight, out_dtype=torch.float32)
+    if x.dim() == 2 and gemv_weight(weight) and x.dtype == weight.dtype:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x.float(), weight.float())
 
 

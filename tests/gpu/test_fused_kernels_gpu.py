@@ -274,6 +274,26 @@ def test_rope_write_mla_rows_out_equal_a_bf16_cache(tokens):
     assert torch.equal(fp8_cache.view(torch.uint8), expected.view(torch.uint8))
 
 
+@pytest.mark.parametrize("m", [4, 9, 8192])
+def test_dense_fp32_sums_like_the_fp32_linear(m):
+    """A MoE router's fp32 logits of bf16 x and W (Kimi TP8: 384 experts, hidden 7168): the GEMV up to 8 rows,
+    cuBLAS's bf16 GEMM with an fp32 output above, each within fp32 summation-order error of
+    F.linear(x.float(), W.float()) (the products of 16-bit values are exact in fp32)."""
+    from model_ops.linear import dense_fp32
+
+    g = torch.Generator().manual_seed(60 + m)
+    x = torch.randn(m, 7168, generator=g).to(DEVICE, DT)
+    w = (torch.randn(384, 7168, generator=g) * 0.02).to(DEVICE, DT)
+    out = dense_fp32(x, w)
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    assert out.dtype == torch.float32
+    rel = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    fp32 = torch.nn.functional.linear(x.float(), w.float())
+    rel_fp32 = ((fp32.double() - ref).abs().max() / ref.abs().max()).item()
+    print(f"max rel err: ours {rel:.2e}, fp32 linear {rel_fp32:.2e}")
+    assert rel < 1e-6 and rel < 20 * rel_fp32
+
+
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_skinny_gemm_rms_norm_prologue(m):
     """q_a_layernorm as the GEMV's prologue at Kimi TP8's q_b_proj (K 1536 -> N 1536, x a view of the
