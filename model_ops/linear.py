@@ -131,10 +131,11 @@ def dense_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     router's logits, which every reference takes in fp32). Decode-sized 16-bit products on an
     NVIDIA GPU run the GEMV kernel with an fp32 output: no fp32 copy of W each step (that copy
     and cuBLAS's fp32 GEMV took ~16 us of a Kimi-K2.5 layer at batch 1 on an H200). Larger ones
-    there take cuBLAS's 16-bit GEMM with an fp32 output (`torch.mm(out_dtype=)`): 16-bit products
-    are exact in fp32 and the sums run in fp32, as in the fp32 GEMM, in another order; the fp32
-    GEMM of the copies ran at fp32 SIMT speed, 0.9 ms of a Kimi TP8 rank's MoE layer per 8,192
-    prompt tokens on an H100 (docs/benchmarks.md section 6)."""
+    there take cuBLAS's 16-bit GEMM with an fp32 output (`torch.mm(out_dtype=)`), as SGLang's
+    dsv3_router_gemm takes bf16 to fp32 logits: its tensor-core sums are less exact than fp32 SIMT
+    ones (H100: 8.7e-6 of the largest logit at 8,192 rows against 4e-7), far below bf16's ~1e-3. The
+    fp32 GEMM of fp32 copies ran at SIMT speed: 0.9 ms of a Kimi TP8 rank's MoE layer per 8,192
+    prompt tokens on an H100 (docs/benchmarks.md section 6), and copied W to fp32 every step."""
     if (kernels := _gemv_for(x, weight, fp32_out=True)) is not None:
         return kernels.skinny_gemm(x, weight, out_dtype=torch.float32)
     if x.dim() == 2 and gemv_weight(weight) and x.dtype == weight.dtype:
