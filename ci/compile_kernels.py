@@ -204,6 +204,8 @@ CASES: dict[str, Callable[[str], None]] = {
     "MoE E64 H2048 I1024 T8": lambda _: _moe(64, 8, 2048, 1024, 8),
     "MoE E64 H2048 I1024 T512": lambda _: _moe(64, 8, 2048, 1024, 512),
     "MoE E384 H7168 I256 T128": lambda _: _moe(384, 8, 7168, 256, 128),
+    "MoE alignment 65,536 pairs (three kernels)": lambda _: fused_moe_mod.moe_align_block_size(
+        _t(8192, 8, dtype=torch.int32), 384, 64),
     "MXFP4 MoE Kimi TP8 T1 w4a4 split 8": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, True, split=8),
     "MXFP4 MoE Kimi TP8 T32 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 32, True),
     "MXFP4 MoE Kimi TP8 T512 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 512, False),

@@ -32,30 +32,33 @@ from kernels_rocm._util import (
 
 ALIGN_CHUNK = 1024  # pairs per loop step of the alignment kernel
 ALIGN_BLOCK_ROWS = 32  # M blocks whose expert is found per loop step
+# From this many pairs the alignment runs as three kernels over the GPU instead of one program:
+# prefill's 65,536 pairs (Kimi TP8, 8,192 tokens x top-8) took 0.46 ms a layer in one program on an
+# H100, most of it one SM's atomics (docs/benchmarks.md section 6, "The MoE alignment over the GPU").
+ALIGN_PARALLEL_PAIRS = 8192
 
 
-@triton.jit(do_not_specialize=["numel", "capacity"])
-def _moe_align_kernel(
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr,
-    numel, num_experts, capacity,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-):
-    """One program: count pairs per expert, pad each count to BLOCK_M, prefix-sum the padded
-    counts into each expert's start, record the expert of every M block, fill sorted_ids with the
-    sentinel, then place every pair at its expert's cursor (an atomic increment hands out the
-    slots; the order inside an expert's run does not matter, each row is computed alone)."""
+@triton.jit
+def _chunk_ids(ids_ptr, start, numel, num_experts, CHUNK: tl.constexpr):
+    """A chunk of flat pair ids from `start`: (their offsets, experts, validity); bad ids are
+    dropped, never written."""
+    offs = start + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=0).to(tl.int32)
+    return offs, ids, (offs < numel) & (ids >= 0) & (ids < num_experts)
+
+
+@triton.jit
+def _lay_out_blocks(counts, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr, numel, num_experts,
+                    capacity, BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                    BLOCK_ROWS: tl.constexpr):
+    """From the pairs per expert: pad each count to BLOCK_M, prefix-sum the padded counts into each
+    expert's start (its cursor), record the expert of every M block and fill sorted_ids with the
+    sentinel."""
     experts = tl.arange(0, EXPERTS_PAD)
-    counts = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
-    for start in range(0, numel, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=0).to(tl.int32)
-        valid = (offs < numel) & (ids >= 0) & (ids < num_experts)  # bad ids are dropped, never written
-        counts += tl.histogram(ids, EXPERTS_PAD, mask=valid)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, 0)
     tl.store(num_padded_ptr, tl.sum(padded, 0))
     tl.store(cursor_ptr + experts, padded_end - padded, mask=experts < num_experts)
-
     for first_row in range(0, capacity // BLOCK_M, BLOCK_ROWS):
         rows = first_row + tl.arange(0, BLOCK_ROWS)
         # the expert of a block = number of experts whose padded run ends at or before its start;
@@ -66,14 +69,57 @@ def _moe_align_kernel(
     for start in range(0, capacity, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + numel, mask=offs < capacity)
-    tl.debug_barrier()  # cursors and sentinels are written before any pair is placed
 
+
+@triton.jit
+def _place_pairs(ids_ptr, sorted_ids_ptr, cursor_ptr, start, numel, num_experts, CHUNK: tl.constexpr):
+    """Place a chunk of pairs at their experts' cursors (an atomic increment hands out the slots; the
+    order inside an expert's run does not matter, each row is computed alone)."""
+    offs, ids, valid = _chunk_ids(ids_ptr, start, numel, num_experts, CHUNK)
+    slot = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
+    tl.store(sorted_ids_ptr + slot, offs, mask=valid)
+
+
+@triton.jit(do_not_specialize=["numel", "capacity"])
+def _moe_align_kernel(
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr,
+    numel, num_experts, capacity,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    """One program: count pairs per expert, lay out the blocks, then place every pair."""
+    counts = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
     for start in range(0, numel, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=0).to(tl.int32)
-        valid = (offs < numel) & (ids >= 0) & (ids < num_experts)
-        slot = tl.atomic_add(cursor_ptr + ids, 1, mask=valid)
-        tl.store(sorted_ids_ptr + slot, offs, mask=valid)
+        _, ids, valid = _chunk_ids(ids_ptr, start, numel, num_experts, CHUNK)
+        counts += tl.histogram(ids, EXPERTS_PAD, mask=valid)
+    _lay_out_blocks(counts, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr, numel, num_experts, capacity,
+                    BLOCK_M, EXPERTS_PAD, CHUNK, BLOCK_ROWS)
+    tl.debug_barrier()  # cursors and sentinels are written before any pair is placed
+    for start in range(0, numel, CHUNK):
+        _place_pairs(ids_ptr, sorted_ids_ptr, cursor_ptr, start, numel, num_experts, CHUNK)
+
+
+# The same in three launches (ALIGN_PARALLEL_PAIRS): a program a chunk counts and places, one lays out.
+@triton.jit(do_not_specialize=["numel"])
+def _moe_count_kernel(ids_ptr, counts_ptr, numel, num_experts, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    _, ids, valid = _chunk_ids(ids_ptr, tl.program_id(0) * CHUNK, numel, num_experts, CHUNK)
+    experts = tl.arange(0, EXPERTS_PAD)
+    tl.atomic_add(counts_ptr + experts, tl.histogram(ids, EXPERTS_PAD, mask=valid), mask=experts < num_experts)
+
+
+@triton.jit(do_not_specialize=["numel", "capacity"])
+def _moe_lay_out_kernel(
+    counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr, numel, num_experts, capacity,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    experts = tl.arange(0, EXPERTS_PAD)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    _lay_out_blocks(counts, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, cursor_ptr, numel, num_experts, capacity,
+                    BLOCK_M, EXPERTS_PAD, CHUNK, BLOCK_ROWS)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _moe_place_kernel(ids_ptr, sorted_ids_ptr, cursor_ptr, numel, num_experts, CHUNK: tl.constexpr):
+    _place_pairs(ids_ptr, sorted_ids_ptr, cursor_ptr, tl.program_id(0) * CHUNK, numel, num_experts, CHUNK)
 
 
 def moe_align_block_size(
@@ -86,8 +132,8 @@ def moe_align_block_size(
       P = numel + E * (block_m - 1) (or numel * block_m when smaller), a static upper bound;
     - expert_ids [P // block_m] int32: expert of each M block, -1 past the real end;
     - num_padded [1] int32: used length of sorted_ids (on device; kernels read it).
-    Experts with no pairs take no blocks; ids outside [0, E) are dropped. One kernel launch, no
-    host sync: graph-capturable.
+    Experts with no pairs take no blocks; ids outside [0, E) are dropped. One kernel launch (three
+    and a zeroing from ALIGN_PARALLEL_PAIRS pairs), no host sync: graph-capturable.
     """
     numel = topk_ids.numel()
     device = topk_ids.device
@@ -99,13 +145,20 @@ def moe_align_block_size(
     expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    _moe_align_kernel[(1,)](
-        topk_ids.reshape(-1), sorted_ids, expert_ids, num_padded, cursor,
-        numel, num_experts, capacity,
-        BLOCK_M=block_m, EXPERTS_PAD=triton.next_power_of_2(num_experts),
-        CHUNK=ALIGN_CHUNK, BLOCK_ROWS=ALIGN_BLOCK_ROWS,
-        num_warps=8,
-    )
+    ids = topk_ids.reshape(-1)
+    layout = dict(BLOCK_M=block_m, EXPERTS_PAD=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK,
+                  BLOCK_ROWS=ALIGN_BLOCK_ROWS)
+    if numel < ALIGN_PARALLEL_PAIRS:
+        _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_padded, cursor, numel, num_experts, capacity,
+                                **layout, num_warps=8)
+        return sorted_ids, expert_ids, num_padded
+    chunks = triton.cdiv(numel, ALIGN_CHUNK)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    _moe_count_kernel[(chunks,)](ids, counts, numel, num_experts, EXPERTS_PAD=layout["EXPERTS_PAD"],
+                                 CHUNK=ALIGN_CHUNK, num_warps=4)
+    _moe_lay_out_kernel[(1,)](counts, sorted_ids, expert_ids, num_padded, cursor, numel, num_experts, capacity,
+                              **layout, num_warps=8)
+    _moe_place_kernel[(chunks,)](ids, sorted_ids, cursor, numel, num_experts, CHUNK=ALIGN_CHUNK, num_warps=4)
     return sorted_ids, expert_ids, num_padded
 
 

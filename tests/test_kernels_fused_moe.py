@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from _kernel_cases import nan_like
+from kernels_rocm import fused_moe as fused_moe_mod
 from kernels_rocm.fused_moe import fused_moe, moe_align_block_size, moe_reference
 
 HIDDEN, INTER, EXPERTS = 48, 40, 8  # not multiples of the 16/64 tiles: masks on N and K
@@ -58,10 +59,15 @@ def test_bfloat16():
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("num_tokens", [11, 700])  # 700 x 3 pairs: three chunks of ALIGN_CHUNK
+@pytest.mark.parametrize("parallel", [False, True], ids=["one_program", "three_kernels"])
 @pytest.mark.parametrize("block_m", [4, 16])
-def test_align_block_size_layout(block_m):
+def test_align_block_size_layout(block_m, parallel, num_tokens, monkeypatch):
+    """Both forms of the alignment (one program; count, lay out and place over the GPU, taken from
+    ALIGN_PARALLEL_PAIRS pairs) give a valid layout."""
+    monkeypatch.setattr(fused_moe_mod, "ALIGN_PARALLEL_PAIRS", 0 if parallel else 10**9)
     g = torch.Generator().manual_seed(9)
-    num_tokens, top_k = 11, 3
+    top_k = 3
     _, ids = _routing(num_tokens, top_k, g)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(ids.to(torch.int32), EXPERTS, block_m)
     numel = ids.numel()
