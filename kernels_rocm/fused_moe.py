@@ -32,10 +32,11 @@ from kernels_rocm._util import (
 
 ALIGN_CHUNK = 1024  # pairs per loop step of the alignment kernel
 ALIGN_BLOCK_ROWS = 32  # M blocks whose expert is found per loop step
-# From this many pairs the alignment runs as three kernels over the GPU instead of one program:
-# prefill's 65,536 pairs (Kimi TP8, 8,192 tokens x top-8) took 0.46 ms a layer in one program on an
-# H100, most of it one SM's atomics (docs/benchmarks.md section 6, "The MoE alignment over the GPU").
-ALIGN_PARALLEL_PAIRS = 8192
+# From this many pairs the alignment runs as three kernels over the GPU instead of one program. H100,
+# 384 experts (docs/benchmarks.md section 6, "MXFP4 GEMMs at prefill sizes"): 65,536 pairs (Kimi TP8,
+# 8,192 tokens x top-8) 457 -> 89 us, 4,096 pairs 48 -> 39 us; at 512 pairs one program is ahead (26 us
+# against 35: one launch instead of three and a zeroing).
+ALIGN_PARALLEL_PAIRS = 4096
 
 
 @triton.jit
