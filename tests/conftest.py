@@ -3,14 +3,29 @@ compares the engine against the model code users would otherwise run.
 
 CPU CI runs the Triton kernels in the interpreter. Triton reads TRITON_INTERPRET when a kernel
 is decorated, so it is set here, before any test module imports triton.
+
+The suite under tests/ outside tests/gpu is the CPU suite, and it runs as CI runs it on every
+machine: where a GPU is present, `pytest tests` hides it (CUDA_VISIBLE_DEVICES and
+HIP_VISIBLE_DEVICES empty, before anything initializes CUDA), because those tests pass CPU tensors
+to the kernels and expect the CPU's defaults. On 2026-11-27 that suite run on an H100 without this
+gave 601 failures, nearly all of that kind. Naming any path under tests/gpu on the command line
+keeps the GPU visible, for the GPU suite and any CPU file run beside it. The choice goes to xdist
+workers and subprocesses through ATOM_LIKE_TEST_GPU.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 
-import pytest
-import torch
+if "ATOM_LIKE_TEST_GPU" not in os.environ:
+    named_gpu = any("tests/gpu" in arg.replace(os.sep, "/") for arg in sys.argv[1:])
+    os.environ["ATOM_LIKE_TEST_GPU"] = "1" if named_gpu else "0"
+if os.environ["ATOM_LIKE_TEST_GPU"] == "0":
+    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
