@@ -2,6 +2,7 @@
 EAGLE3 mean acceptance length at k = 3, each also with an fp8 KV cache, all through the engine.
 
     python ci/bench_mxfp4_accuracy.py [--num 64] [--max-tokens 128] [--drafts tiny-kimi-eagle3,...] [--chunk 16]
+        [--styles experts_only]
         (results: $OUT/bench_mxfp4_accuracy.{json,md}; builds tiny-kimi-mxfp4 into the zoo cache first)
 
 Perplexity: atom_like.benchmarks.perplexity (held-out ShareGPT chats, GSM8K test Q+A, 512 tokens
@@ -22,13 +23,15 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from atom_like import EngineArgs, LLMEngine
 from atom_like.benchmarks import acceptance, perplexity
-from atom_like.zoo import model_path, registry
+from atom_like.zoo import model_path, registry, tiny_kimi_mxfp4
 
 CONFIGS = [  # (label, model, kv cache dtype, mxfp4 activations)
     ("tiny-kimi (bf16)", "tiny-kimi", "auto", "checkpoint"),
@@ -48,6 +51,8 @@ def main() -> None:
     ap.add_argument("--drafts", default="tiny-kimi-eagle3,tiny-kimi-eagle3-mla,tiny-kimi-eagle3.1-mla")
     ap.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))), help="rows to run (indices)")
     ap.add_argument("--chunk", type=int, default=0, help="also perplexity with N-token prefill chunks (0: not)")
+    ap.add_argument("--styles", default="", help="also tiny-kimi converted in these other Quark exclude styles "
+                    "(experts_only: routed experts alone MXFP4), W4A4 and W4A16 rows each")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     cli = ap.parse_args()
     os.makedirs(cli.out, exist_ok=True)
@@ -56,11 +61,16 @@ def main() -> None:
     drafts = cli.drafts.split(",") if cli.drafts else []
     device = "cuda" if torch.cuda.is_available() else "cpu"
     prompts = {s: acceptance.eval_prompts(s, cli.num) for s in SETS}
+    configs = [CONFIGS[int(i)] for i in cli.configs.split(",")]
+    for style in filter(None, cli.styles.split(",")):
+        path = str(tiny_kimi_mxfp4.convert(Path(tempfile.mkdtemp()) / f"tiny-kimi-mxfp4-{style}", style=style))
+        configs += [(f"tiny-kimi-mxfp4 {style} W4A4", path, "auto", "checkpoint"),
+                    (f"tiny-kimi-mxfp4 {style} W4A16", path, "auto", "unquantized")]
     rows = []
-    for index in (int(i) for i in cli.configs.split(",")):
-        label, model, kv, acts = CONFIGS[index]
+    for label, model, kv, acts in configs:
         start = time.time()
-        args = EngineArgs(model=model_path(model), kv_cache_dtype=kv, mxfp4_activations=acts, enforce_eager=True)
+        args = EngineArgs(model=model if os.path.isdir(model) else model_path(model), kv_cache_dtype=kv,
+                          mxfp4_activations=acts, enforce_eager=True)
         row = {"config": label, "device": device}
         runs = [("", args)]
         if cli.chunk:

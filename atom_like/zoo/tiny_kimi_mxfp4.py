@@ -80,8 +80,10 @@ def calibrate_kv_scales(source: Path) -> dict[str, float]:
     return {f"language_model.model.layers.{i}.self_attn": a / E4M3_MAX for i, a in sorted(amax.items())}
 
 
-def convert(out_dir: Path, source: Path | None = None) -> Path:
-    """Build tiny-kimi-mxfp4 from the shipped tiny-kimi into `out_dir`; zoo.json is written last."""
+def convert(out_dir: Path, source: Path | None = None, style: quark_mxfp4.Style = "released") -> Path:
+    """Build tiny-kimi-mxfp4 from the shipped tiny-kimi into `out_dir`; zoo.json is written last.
+    `style` "experts_only" (only the routed experts MXFP4) builds the variant ci/bench_mxfp4_accuracy.py
+    compares with (`--styles`); the zoo entry is the released style."""
     start = time.time()
     source = Path(source or PACKAGE_MODELS / SOURCE)
     out_dir = Path(out_dir)
@@ -92,13 +94,13 @@ def convert(out_dir: Path, source: Path | None = None) -> Path:
     config["text_config"]["moe_intermediate_size"] = PADDED_INTERMEDIATE
     kv_scales = calibrate_kv_scales(source)
     tensors = pad_intermediate(load_tensors(source), PADDED_INTERMEDIATE)
-    quark_mxfp4.write(tensors, config, out_dir, style="released", exclude_as="names", kv_scales=kv_scales)
+    quark_mxfp4.write(tensors, config, out_dir, style=style, exclude_as="names", kv_scales=kv_scales)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (source / name).is_file():
             (out_dir / name).write_bytes((source / name).read_bytes())
     manifest = {
-        "model": "tiny-kimi-mxfp4", "source": SOURCE, "format": "Quark MXFP4 (W4A4), released style",
-        "quantized": "routed experts, shared expert, dense layer-0 MLP",
+        "model": "tiny-kimi-mxfp4", "source": SOURCE, "format": f"Quark MXFP4 (W4A4), {style} style",
+        "quantized": "routed experts" + (", shared expert, dense layer-0 MLP" if style == "released" else ""),
         "unquantized": "MLA, router, embeddings, lm_head",
         "moe_intermediate_size": f"{original} zero-padded to {PADDED_INTERMEDIATE}",
         "kv_scales": {k: round(v, 6) for k, v in kv_scales.items()},
