@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -28,23 +29,11 @@ LINEAR_SHAPES = {"dense gate_up TP8": (4608, 7168), "dense down TP8": (7168, 230
 
 
 def both(switch_off, run) -> dict:
-    """run() timed (µs) with the new choice, then with `switch_off` (a context of module patches) applied."""
+    """run() timed (µs) with the new choice, then with `switch_off()` (a module constant patched back) applied."""
     new, out_new = time_graph(run) * 1e3, run().float()
     with switch_off():
         old, out_old = time_graph(run) * 1e3, run().float()
     return dict(new_us=new, old_us=old, speedup=old / new, rel_err=rel_error(out_new, out_old))
-
-
-class patched:
-    def __init__(self, module, name, value):
-        self.module, self.name, self.value = module, name, value
-
-    def __enter__(self):
-        self.saved = getattr(self.module, self.name)
-        setattr(self.module, self.name, self.value)
-
-    def __exit__(self, *exc):
-        setattr(self.module, self.name, self.saved)
 
 
 def bench_moe_shape(name: str, shape: tuple, tokens, gen: torch.Generator) -> list[dict]:
@@ -54,7 +43,7 @@ def bench_moe_shape(name: str, shape: tuple, tokens, gen: torch.Generator) -> li
     for t in tokens:
         x = torch.randn(t, hidden, generator=gen, device="cuda").bfloat16()
         topk_weights, ids = routing(t, experts, top_k, gen)
-        row = both(lambda: patched(moe_mod, "PREFILL_PAIRS_PER_EXPERT", 10**9),
+        row = both(lambda: mock.patch.object(moe_mod, "PREFILL_PAIRS_PER_EXPERT", 10**9),
                    lambda: weights.run(x, topk_weights, ids, True))
         rows.append(dict(shape=name, tokens=t, tflops=t * top_k * 3 * hidden * inter * 2 / row["new_us"] / 1e6, **row))
         print(f"moe {name} T={t}: {row['old_us']:.0f} -> {row['new_us']:.0f} us ({row['speedup']:.2f}x)", flush=True)
@@ -79,13 +68,13 @@ def main() -> int:
         w, s = random_mxfp4(n, k, g=gen)
         for m in (64, 256, 512, 2048, 8192):
             x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-            row = both(lambda: patched(linear_mod, "WIDE_TILES", ()),
+            row = both(lambda: mock.patch.object(linear_mod, "WIDE_TILES", ()),
                        lambda: linear_mod.mxfp4_linear(x, w, s, quantize_activations=True))
             result["linear"].append(dict(shape=name, m=m, **row))
             print(f"linear {name} M={m}: {row['old_us']:.0f} -> {row['new_us']:.0f} us ({row['speedup']:.2f}x)", flush=True)
     for t in (64, 512, 1024, 2048, 8192, 16384):
         ids = torch.rand(t, 384, generator=gen, device="cuda").topk(8, dim=-1).indices.to(torch.int32)
-        row = both(lambda: patched(fused_moe_mod, "ALIGN_PARALLEL_PAIRS", 10**9),
+        row = both(lambda: mock.patch.object(fused_moe_mod, "ALIGN_PARALLEL_PAIRS", 10**9),
                    lambda: fused_moe_mod.moe_align_block_size(ids, 384, 64)[2])
         result["align"].append(dict(pairs=t * 8, **row))
         print(f"align {t * 8} pairs: {row['old_us']:.1f} -> {row['new_us']:.1f} us", flush=True)

@@ -144,12 +144,14 @@ class ModelRunner:
                         "the tokens (%d here)", self.kv_cache_dtype, self.block_bytes, round(self.block_bytes * ratio),
                         dtype, ratio, self.num_blocks * self.block_size)
         self.graphs: DecodeGraphs | None = None
-        uncapturable = sorted({b.backend.name for b in self.builders if not b.backend.capturable})
-        if not args.enforce_eager and uncapturable and device.type != "cpu":
+        # (on the CPU nothing is captured: the graphs' static-buffer path runs with any backend)
+        uncapturable = ([] if device.type == "cpu" else
+                        sorted({b.backend.name for b in self.builders if not b.backend.capturable}))
+        if uncapturable and not args.enforce_eager:
             logger.warning("attention backend %s: its calls read each step's metadata back to the host, which a "
                            "graph cannot capture; decode runs eagerly, as with --enforce-eager",
                            ", ".join(uncapturable))
-        if not args.enforce_eager and not (uncapturable and device.type != "cpu"):
+        if not args.enforce_eager and not uncapturable:
             max_batch = min(args.max_num_seqs, args.max_num_batched_tokens // (self.num_spec_tokens + 1))
             # a fixed k verifies and proposes k every decode step; an adaptive one any k in 0..k
             counts = None if args.speculative_adaptive else [self.num_spec_tokens]
