@@ -48,6 +48,7 @@ import gpu_timing  # noqa: E402
 from gpu_timing import measure_copy_bandwidth, rel_error, time_graph  # noqa: E402
 import kernels_rocm.mla_decode as mla_mod  # noqa: E402
 from kernels_rocm.mla_decode import mla_paged_attention  # noqa: E402
+from kernels_rocm._mxfp4 import foldable_scales  # noqa: E402
 from kernels_rocm.fused_moe import fused_moe  # noqa: E402
 from kernels_rocm.mxfp4_linear import GemmConfig, mxfp4_linear  # noqa: E402
 from kernels_rocm.mxfp4_moe import MoeConfig, default_config, fused_moe_mxfp4  # noqa: E402
@@ -123,6 +124,7 @@ class MoeWeights:
         e, h, i = self.num_experts, self.hidden, self.inter
         self.w13, self.s13 = random_mxfp4(e, 2 * i, h, g=g)
         self.w2, self.s2 = random_mxfp4(e, h, i, g=g)
+        self.fold = foldable_scales(self.s13, self.s2)  # as the engine's MXFP4Experts decides after loading
         self.bf16 = None
         if with_bf16:  # the baseline: same shapes in bf16 (values need not match the MXFP4 ones)
             self.bf16 = (torch.empty(e, 2 * i, h, dtype=torch.bfloat16, device=DEVICE).normal_(std=h**-0.5),
@@ -132,7 +134,8 @@ class MoeWeights:
         return self.w13[0].numel() + self.s13[0].numel() + self.w2[0].numel() + self.s2[0].numel()
 
     def run(self, x, weights, ids, quantize, config=None, out=None):
-        return fused_moe_mxfp4(x, self.w13, self.s13, self.w2, self.s2, weights, ids, quantize, out=out, config=config)
+        return fused_moe_mxfp4(x, self.w13, self.s13, self.w2, self.s2, weights, ids, quantize, out=out, config=config,
+                               fold_scales=self.fold)
 
 
 
@@ -276,15 +279,16 @@ def bench_linear(copy_gbps: float, token_counts=LINEAR_TOKENS) -> list[LinearRow
     g = torch.Generator(device=DEVICE).manual_seed(4)
     for name, (n, k) in LINEAR_SHAPES.items():
         packed, scale = random_mxfp4(n, k, g=g)
+        fold = foldable_scales(scale)  # as the engine's MXFP4Linear decides after loading
         dense = dequantize_mxfp4(packed, scale)
         for tokens in token_counts:
             x = torch.randn(tokens, k, generator=g, device=DEVICE).bfloat16()
             out = torch.empty(tokens, n, dtype=torch.bfloat16, device=DEVICE)
             for quantize in (False, True):
-                ms = time_graph(lambda: mxfp4_linear(x, packed, scale, None, quantize, out=out))
+                ms = time_graph(lambda: mxfp4_linear(x, packed, scale, None, quantize, out=out, fold_scales=fold))
                 num_bytes = packed.numel() + scale.numel() + 2 * (x.numel() + out.numel())
                 a = qdq_mxfp4(x) if quantize else x
-                err = rel_error(mxfp4_linear(x, packed, scale, None, quantize), a.float() @ dense.T)
+                err = rel_error(mxfp4_linear(x, packed, scale, None, quantize, fold_scales=fold), a.float() @ dense.T)
                 gbps = num_bytes / ms / 1e6
                 rows.append(LinearRow(name, tokens, quantize, ms * 1e3, gbps, gbps / copy_gbps, err))
     return rows

@@ -137,16 +137,16 @@ def _rope_mla(kv_dtype=None, heads=64, norm=False):
                             _t(64, 32), _t(64, 32), _t(64, dtype=torch.int64), interleaved=True, scale=scale, **norm_args)
 
 
-def _mxfp4_linear(m, n, k, quantize, split=None):
+def _mxfp4_linear(m, n, k, quantize, split=None, fold=False):
     config = None
     if split is not None:  # the default tiles with a forced split (meta tensors see 4 compute units)
         config = dataclasses.replace(mxfp4_linear_mod.default_config(m, n, k, torch.device("meta")), split_k=split)
     mxfp4_linear_mod.mxfp4_linear(_t(m, k), _t(n, k // 2, dtype=torch.uint8), _t(n, k // 32, dtype=torch.uint8),
-                                  quantize_activations=quantize, config=config)
+                                  quantize_activations=quantize, config=config, fold_scales=fold)
 
 
 def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, decode=False, expert_gemv=False,
-               down_n_tiles=None, down_block_k=None):
+               down_n_tiles=None, down_block_k=None, fold=False):
     """decode: True for DecodeConfig(), or a DecodeConfig; down_n_tiles / down_block_k: the grouped
     path's default tiles with GEMM 2 programs walking that many N tiles / with that K tile."""
     config = (decode if isinstance(decode, mxfp4_moe_decode_mod.DecodeConfig)
@@ -164,7 +164,8 @@ def _mxfp4_moe(experts, top_k, hidden, inter, tokens, quantize, split=None, deco
     mxfp4_moe_mod.fused_moe_mxfp4(
         _t(tokens, hidden), _t(experts, 2 * inter, hidden // 2, dtype=u8), _t(experts, 2 * inter, hidden // 32, dtype=u8),
         _t(experts, hidden, inter // 2, dtype=u8), _t(experts, hidden, inter // 32, dtype=u8),
-        _t(tokens, top_k, dtype=torch.float32), _t(tokens, top_k, dtype=torch.int32), quantize, config=config)
+        _t(tokens, top_k, dtype=torch.float32), _t(tokens, top_k, dtype=torch.int32), quantize, config=config,
+        fold_scales=fold)
 
 
 def _skinny_sweep(target: str):
@@ -210,6 +211,7 @@ CASES: dict[str, Callable[[str], None]] = {
     "MXFP4 MoE Kimi TP8 T32 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 32, True),
     "MXFP4 MoE Kimi TP8 T512 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 512, False),
     "MXFP4 MoE Kimi TP8 T256 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 256, True),  # grouped, x QDQ'd once
+    "MXFP4 MoE Kimi TP8 T256 w4a4 folded scales": lambda _: _mxfp4_moe(384, 8, 7168, 256, 256, True, fold=True),
     # GEMM 2 programs walking 8 N tiles (MoeConfig.down_n_tiles), K tiles of 128 (2 a tile) and 256 (1)
     "MXFP4 MoE Kimi TP8 T512 w4a4 down 8 N tiles": lambda _: _mxfp4_moe(384, 8, 7168, 256, 512, True, down_n_tiles=8),
     # NVIDIA only (a sweep variant of ci/bench_mxfp4.py): 10 bytes spilled on gfx942
@@ -221,6 +223,8 @@ CASES: dict[str, Callable[[str], None]] = {
         384, 8, 7168, 256, 2048, True),
     "MXFP4 MoE Kimi TP8 T8192 w4a4 prefill": lambda target: target == "sm90" and _mxfp4_moe(
         384, 8, 7168, 256, 8192, True),
+    "MXFP4 MoE Kimi TP8 T8192 w4a4 prefill folded scales": lambda target: target == "sm90" and _mxfp4_moe(
+        384, 8, 7168, 256, 8192, True, fold=True),
     "MXFP4 MoE decode Kimi TP8 T1 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, False, decode=True),
     "MXFP4 MoE decode Kimi TP8 T1 w4a4": lambda _: _mxfp4_moe(384, 8, 7168, 256, 1, True, decode=True),
     "MXFP4 MoE decode Kimi TP8 T4 w4a16": lambda _: _mxfp4_moe(384, 8, 7168, 256, 4, False, decode=True),
@@ -248,6 +252,9 @@ CASES: dict[str, Callable[[str], None]] = {
     "MXFP4 linear M64 N7168 K256 w4a16": lambda _: _mxfp4_linear(64, 7168, 256, False),
     # WIDE_TILES (NVIDIA only): 128 x 256 on 8 warps at Kimi TP8's dense gate_up in prefill
     "MXFP4 linear M8192 N4608 K7168 w4a4": lambda target: target == "sm90" and _mxfp4_linear(8192, 4608, 7168, True),
+    "MXFP4 linear M8192 N4608 K7168 w4a4 folded scales": lambda target: target == "sm90" and _mxfp4_linear(
+        8192, 4608, 7168, True, fold=True),
+    "MXFP4 linear M64 N7168 K256 w4a16 folded scales": lambda _: _mxfp4_linear(64, 7168, 256, False, fold=True),
     "kv write MHA fp8": lambda t: write_kv_cache(_t(64, 8, 128), _t(64, 8, 128), _t(99, 16, 8, 128, dtype=_fp8_dtype(t)),
                                                  _t(99, 16, 8, 128, dtype=_fp8_dtype(t)), _t(64, dtype=torch.int64),
                                                  k_scale=_t(1, dtype=torch.float32), v_scale=_t(1, dtype=torch.float32)),

@@ -29,6 +29,7 @@ import triton.language as tl
 
 MX_BLOCK = 32  # K elements per E8M0 scale
 E2M1_SUBNORMAL_SHIFT = tl.constexpr(2.0**126)  # fp32 placement of an E2M1 code is its value times 2^-126
+FOLD_MAX_SCALE_BYTE = 128  # E8M0 bytes up to this fold into the placement's multiply (e8m0_folded_fp32)
 
 
 @triton.jit
@@ -41,13 +42,33 @@ def e8m0_to_fp32(scale):
 
 
 @triton.jit
-def e2m1_pair_to_fp32(packed):
-    """uint8 bytes -> (low nibble, high nibble) E2M1 values in fp32, unscaled."""
+def e2m1_pair_placed_fp32(packed):
+    """uint8 bytes -> (low nibble, high nibble) as placed in fp32: each E2M1 value times 2^-126."""
     b = packed.to(tl.uint32)
     lo = ((b << 28) & 0x80000000) | ((b << 22) & 0x01C00000)
     hi = ((b << 24) & 0x80000000) | ((b << 18) & 0x01C00000)
-    return (lo.to(tl.float32, bitcast=True) * E2M1_SUBNORMAL_SHIFT,
-            hi.to(tl.float32, bitcast=True) * E2M1_SUBNORMAL_SHIFT)
+    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_pair_to_fp32(packed):
+    """uint8 bytes -> (low nibble, high nibble) E2M1 values in fp32, unscaled."""
+    lo, hi = e2m1_pair_placed_fp32(packed)
+    return lo * E2M1_SUBNORMAL_SHIFT, hi * E2M1_SUBNORMAL_SHIFT
+
+
+@triton.jit
+def e8m0_folded_fp32(scale):
+    """E8M0 bytes <= 128 -> 2^126 * 2^(byte - 127) = 2^(byte - 1) in fp32, a normal number: one multiply of a
+    placed code (`e2m1_pair_placed_fp32`) applies the placement's 2^126 and the block scale together, exactly.
+    Only for weights whose every scale byte is <= 128 (`foldable_scales`): above, 2^(byte - 1) overflows."""
+    return ((scale.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_folded_bf16(scale):
+    """`e8m0_folded_fp32` in bf16 (the same exponent range): 2^(byte - 1) for E8M0 bytes <= 128."""
+    return ((scale.to(tl.int32) + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -60,52 +81,42 @@ def e8m0_to_bf16(scale):
     return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+def _e2m1_pair_bf16_asm(normalize: bool) -> str:
+    """PTX of the bf16 decodes below: per pair of bytes, prmt spreads them into the two 16-bit
+    halves, then one shift-shift-or-and (the or and the and are one LOP3 in SASS) puts each code's
+    magnitude bits at 8..6 and its sign at 15, i.e. the E2M1 value times 2^-126 (codes 0 and 0.5
+    land on bf16 subnormals). High nibbles: the same after shifting the word right by 4 (the
+    neighbouring nibble that lands in each byte's top half is masked away). With `normalize`, one
+    bf16x2 fma by 2^126 (0x7E80, with -0.0 added: an exact multiply; sm_80+, keeps subnormals) makes
+    the values."""
+    lines = [".reg .b32 zero, bias, nzero, u, t, s;", "mov.b32 zero, 0;", "mov.b32 bias, 0x7E807E80;",
+             "mov.b32 nzero, 0x80008000;", "shr.b32 u, $4, 4;"]
+    for out, (src, sel) in enumerate((("$4", "0x4140"), ("$4", "0x4342"), ("u", "0x4140"), ("u", "0x4342"))):
+        lines += [f"prmt.b32 t, {src}, zero, {sel};", "shl.b32 s, t, 6;", "shl.b32 t, t, 12;", "or.b32 t, t, s;"]
+        lines += (["and.b32 t, t, 0x81C081C0;", f"fma.rn.bf16x2 ${out}, t, bias, nzero;"] if normalize
+                  else [f"and.b32 ${out}, t, 0x81C081C0;"])
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_E2M1_PAIR_TO_BF16_ASM = tl.constexpr(_e2m1_pair_bf16_asm(normalize=True))
+_E2M1_PAIR_PLACED_BF16_ASM = tl.constexpr(_e2m1_pair_bf16_asm(normalize=False))
+
+
 @triton.jit
 def e2m1_pair_to_bf16_ptx(packed):
     """CUDA fast path of `e2m1_pair_to_fp32` for bf16 dots: 4 packed bytes per 32-bit register
-    give (low nibbles, high nibbles) as exact bf16 E2M1 values, two per instruction.
+    give (low nibbles, high nibbles) as exact bf16 E2M1 values, two per instruction
+    (`_e2m1_pair_bf16_asm`)."""
+    return tl.inline_asm_elementwise(_E2M1_PAIR_TO_BF16_ASM, "=r,=r,=r,=r,r", [packed],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
-    Per pair of bytes: prmt spreads them into the two 16-bit halves, then the same placement as
-    the fp32 path at bf16 positions (magnitude bits at 8..6, sign at 15: the E2M1 value times
-    2^-126, subnormal for codes 0 and 0.5) in one shift-shift-or-and, and one bf16x2 fma by
-    2^126 (with -0.0 added, i.e. an exact multiply; fma.bf16x2 exists from sm_80, keeps
-    subnormals). High nibbles: the same after shifting the word right by 4; the neighbouring
-    nibble that lands in each byte's top half is masked away.
-    """
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 zero, bias, nzero, u, t, s;
-        mov.b32 zero, 0;
-        mov.b32 bias, 0x7E807E80;
-        mov.b32 nzero, 0x80008000;
-        prmt.b32 t, $4, zero, 0x4140;
-        shl.b32 s, t, 6;
-        shl.b32 t, t, 12;
-        or.b32 t, t, s;
-        and.b32 t, t, 0x81C081C0;
-        fma.rn.bf16x2 $0, t, bias, nzero;
-        prmt.b32 t, $4, zero, 0x4342;
-        shl.b32 s, t, 6;
-        shl.b32 t, t, 12;
-        or.b32 t, t, s;
-        and.b32 t, t, 0x81C081C0;
-        fma.rn.bf16x2 $1, t, bias, nzero;
-        shr.b32 u, $4, 4;
-        prmt.b32 t, u, zero, 0x4140;
-        shl.b32 s, t, 6;
-        shl.b32 t, t, 12;
-        or.b32 t, t, s;
-        and.b32 t, t, 0x81C081C0;
-        fma.rn.bf16x2 $2, t, bias, nzero;
-        prmt.b32 t, u, zero, 0x4342;
-        shl.b32 s, t, 6;
-        shl.b32 t, t, 12;
-        or.b32 t, t, s;
-        and.b32 t, t, 0x81C081C0;
-        fma.rn.bf16x2 $3, t, bias, nzero;
-        }""",
-        "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
-    )
+
+@triton.jit
+def e2m1_pair_placed_bf16_ptx(packed):
+    """`e2m1_pair_placed_fp32` at bf16 positions, CUDA: the values times 2^-126, for one multiply by
+    2^126 times the block scale (`e8m0_folded_bf16`; sm_90's HMUL2.BF16 keeps subnormal inputs)."""
+    return tl.inline_asm_elementwise(_E2M1_PAIR_PLACED_BF16_ASM, "=r,=r,=r,=r,r", [packed],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -239,14 +250,17 @@ def load_activation(
 def mxfp4_dot(
     acc, a, w_rows, s_rows, n_valid, k0, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr, SCALES_FOLD: tl.constexpr,
 ):
     """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T for MXFP4 W.
 
     w_rows / s_rows: [BLOCK_N] pointers to the packed row / scale row of each output column
     (int64 offsets formed by the caller); n_valid masks columns past N; K a multiple of 32.
-    PTX_DECODE (compiled CUDA, bf16 dots) decodes with `e2m1_pair_to_bf16_ptx` and scales in
+    PTX_DECODE (compiled CUDA, bf16 dots) decodes with `e2m1_pair_placed_bf16_ptx` and scales in
     bf16 (exact: a power of two times an E2M1 value stays in bf16's fp32-sized range).
+    SCALES_FOLD (every scale byte of W <= 128, `foldable_scales`): each placed code is multiplied once,
+    by 2^126 times its block scale (`e8m0_folded_*`), instead of by 2^126 and then by the scale;
+    the same values, a multiply and the E8M0 edge cases (bytes 0 and 255) fewer per weight pair.
     """
     groups = tl.arange(0, BLOCK_K // 32)
     k_valid = (k0 + groups * 32) < K  # whole 32-blocks are in or out
@@ -256,16 +270,31 @@ def mxfp4_dot(
     mask = n_valid[:, None, None] & k_valid[None, :, None]
     packed = tl.load(w_rows[:, None, None] + byte_offs[None, :, :], mask=mask, other=0)
     if PTX_DECODE:
-        scale = e8m0_to_bf16(scale_bytes)[:, :, None]
-        lo, hi = e2m1_pair_to_bf16_ptx(packed)
+        if SCALES_FOLD:
+            scale = e8m0_folded_bf16(scale_bytes)[:, :, None]
+            lo, hi = e2m1_pair_placed_bf16_ptx(packed)
+        else:
+            scale = e8m0_to_bf16(scale_bytes)[:, :, None]
+            lo, hi = e2m1_pair_to_bf16_ptx(packed)
     else:
-        scale = e8m0_to_fp32(scale_bytes)[:, :, None]
-        lo, hi = e2m1_pair_to_fp32(packed)
+        lo, hi = e2m1_pair_placed_fp32(packed)
+        if SCALES_FOLD:
+            scale = e8m0_folded_fp32(scale_bytes)[:, :, None]
+        else:
+            scale = e8m0_to_fp32(scale_bytes)[:, :, None]
+            lo, hi = lo * E2M1_SUBNORMAL_SHIFT, hi * E2M1_SUBNORMAL_SHIFT
     w_even = tl.reshape((lo * scale).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
     w_odd = tl.reshape((hi * scale).to(DOT_DTYPE), [BLOCK_N, BLOCK_K // 2])
     a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
     acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision=DOT_PRECISION)
     return tl.dot(a_odd, tl.trans(w_odd), acc, input_precision=DOT_PRECISION)
+
+
+def foldable_scales(*scales: torch.Tensor) -> bool:
+    """Whether every E8M0 byte of these weight scales is <= FOLD_MAX_SCALE_BYTE (scales <= 2, as in every
+    released checkpoint's weights), so that the GEMMs may fold each scale into the decode's multiply
+    (`mxfp4_dot`'s SCALES_FOLD). Reads the tensors back to the host: once per weight, after loading."""
+    return all(bool((s <= FOLD_MAX_SCALE_BYTE).all()) for s in scales if s.numel())
 
 
 def check_mxfp4_weight(name: str, weight, scale, scale_name: str, k: int | None = None) -> None:

@@ -103,6 +103,7 @@ def _mxfp4_linear_kernel(
     HAS_BIAS: tl.constexpr, QUANTIZE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
+    SCALES_FOLD: tl.constexpr,  # every scale byte of w <= 128 (`foldable_scales`)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -125,7 +126,7 @@ def _mxfp4_linear_kernel(
             QUANTIZE, BLOCK_M, BLOCK_K, DOT_DTYPE,
         )
         acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
-                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD)
 
     mask = m_valid[:, None] & n_valid[None, :]
     if SPLIT_K == 1:
@@ -163,13 +164,16 @@ def mxfp4_linear(
     quantize_activations: bool = False,
     out: torch.Tensor | None = None,
     config: GemmConfig | None = None,
+    fold_scales: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, K a multiple of 32), weight uint8 [N, K/2], weight_scale uint8
     E8M0 [N, K/32], bias [N] or None -> [M, N] in x's dtype (or written to `out`).
 
     `quantize_activations` runs x through MXFP4 quantize-dequantize ("even" scale) first, as a
     checkpoint with dynamic MXFP4 input_tensors expects. `config` overrides the tile choice
-    (benchmarks); by default it follows from the shapes.
+    (benchmarks); by default it follows from the shapes. `fold_scales`: every E8M0 byte of weight_scale is
+    <= 128 (`_mxfp4.foldable_scales`, checked once by the layer after loading): each scale is then applied
+    in the weight decode's multiply (mxfp4_dot). False is right for any weights.
     """
     check_tensor("x", x, 2, SUPPORTED_DTYPES)
     m, k = x.shape
@@ -204,7 +208,7 @@ def mxfp4_linear(
         HAS_BIAS=bias is not None, QUANTIZE=quantize_activations, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype), PTX_DECODE=ptx_decode(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SCALES_FOLD=fold_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
         block = min(1024, triton.next_power_of_2(n))

@@ -174,7 +174,8 @@ def _gate_up_epilogue(gate, up, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, COLS
 @triton.jit
 def _k_step(acc, acc_up, a_rows, pair_valid, w_rows, s_rows, n_valid, k0, N, K, stride_wn, stride_sn,
             GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr):
+            DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
+            SCALES_FOLD: tl.constexpr):
     """One K tile of a program's (gate and up, or down) accumulators."""
     offs_k = tl.arange(0, BLOCK_K)
     a = load_activation(
@@ -182,10 +183,10 @@ def _k_step(acc, acc_up, a_rows, pair_valid, w_rows, s_rows, n_valid, k0, N, K, 
         False, BLOCK_M, BLOCK_K, DOT_DTYPE,
     )
     acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
-                    BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+                    BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD)
     if GATE_UP:
         acc_up = mxfp4_dot(acc_up, a, w_rows + N * stride_wn, s_rows + N * stride_sn, n_valid, k0, K,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD)
     return acc, acc_up
 
 
@@ -221,6 +222,7 @@ def _mxfp4_moe_gemm_kernel(
     K_TILES: tl.constexpr,  # cdiv(K, BLOCK_K), for N_TILES > 1 (a constant divisor: shifts, no division)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
+    SCALES_FOLD: tl.constexpr,  # every scale byte of w <= 128 (`foldable_scales`)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -249,7 +251,7 @@ def _mxfp4_moe_gemm_kernel(
         for tile in range(first, last):
             acc, acc_up = _k_step(acc, acc_up, a_rows, pair_valid, w_rows, s_rows, n_valid, tile * BLOCK_K, N, K,
                                   stride_wn, stride_sn, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+                                  DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD)
         if SPLIT_K > 1:
             part = part_ptr + (split * num_pairs + pair)[:, None] * (2 * N) + offs_n[None, :]
             mask = pair_valid[:, None] & n_valid[None, :]
@@ -278,7 +280,7 @@ def _mxfp4_moe_gemm_kernel(
             s_rows = s_expert + offs_n.to(tl.int64) * stride_sn
             acc, acc_up = _k_step(acc, acc_up, a_rows, pair_valid, w_rows, s_rows, n_valid, k_tile * BLOCK_K, N, K,
                                   stride_wn, stride_sn, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  DOT_DTYPE, DOT_PRECISION, PTX_DECODE)
+                                  DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD)
             if k_tile == K_TILES - 1:
                 _store_tile(c_ptr, acc, acc_up, routed, pair, pair_valid, offs_n, n_valid, stride_cm,
                             GATE_UP, MUL_ROUTED_WEIGHT, QUANTIZE, BLOCK_M, BLOCK_N)
@@ -328,7 +330,7 @@ def _gate_up_splits_kernel(
 def _launch_gemm(
     a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
     routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int, a_rows_per_pair_div: int,
-    gate_up: bool, quantize: bool, cfg: GemmConfig, n_tiles: int = 1,
+    gate_up: bool, quantize: bool, cfg: GemmConfig, fold_scales: bool, n_tiles: int = 1,
 ) -> None:
     sorted_ids, expert_ids, num_padded = routing
     num_pairs = c.shape[0]
@@ -347,7 +349,7 @@ def _launch_gemm(
         K_TILES=triton.cdiv(k, cfg.block_k) if n_tiles > 1 else 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(a.dtype), DOT_PRECISION=dot_precision(a.dtype), PTX_DECODE=ptx_decode(a.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SCALES_FOLD=fold_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
         block = min(256, triton.next_power_of_2(n))
@@ -395,6 +397,7 @@ def fused_moe_mxfp4(
     quantize_activations: bool,
     out: torch.Tensor | None = None,
     config: MoeConfig | DecodeConfig | ExpertGemvConfig | None = None,
+    fold_scales: bool = False,
 ) -> torch.Tensor:
     """Routed MXFP4 experts: x [T, H] (bf16/fp16/fp32), w13 uint8 [E, 2I, H/2] (gate rows then up
     rows) with w13_scale uint8 E8M0 [E, 2I, H/32], w2 uint8 [E, H, I/2] with w2_scale [E, H, I/32],
@@ -405,7 +408,9 @@ def fused_moe_mxfp4(
     the choice (benchmarks): a MoeConfig forces the grouped GEMMs with those tiles, a DecodeConfig
     the decode path, an ExpertGemvConfig the expert-grouped GEMVs. (An int8 tensor-core W4A4 path was
     built and measured in two forms on 2026-11-27, slower than these at every T, and removed:
-    docs/benchmarks.md section 6.)"""
+    docs/benchmarks.md section 6.) `fold_scales`: every E8M0 byte of w13_scale and w2_scale is <= 128
+    (`_mxfp4.foldable_scales`, which the layers check once after loading); the grouped GEMMs then apply
+    each scale in the weight decode's one multiply (mxfp4_dot). False is right for any weights."""
     _check_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -441,9 +446,10 @@ def fused_moe_mxfp4(
     routing = moe_align_block_size(topk_ids, num_experts, cfg.gate_up.block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     a = qdq_rows(x) if quantize_activations else x
-    _launch_gemm(a, w13, w13_scale, h, topk_weights, routing, inter, top_k, True, quantize_activations, cfg.gate_up)
+    _launch_gemm(a, w13, w13_scale, h, topk_weights, routing, inter, top_k, True, quantize_activations, cfg.gate_up,
+                 fold_scales)
     partial = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _launch_gemm(h, w2, w2_scale, partial, topk_weights, routing, hidden, 1, False, False, cfg.down,  # h is QDQ'd
-                 cfg.down_n_tiles)
+                 fold_scales, cfg.down_n_tiles)
     torch.sum(partial.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out

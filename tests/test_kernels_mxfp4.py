@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from _kernel_cases import nan_like
+from kernels_rocm._mxfp4 import FOLD_MAX_SCALE_BYTE, foldable_scales
 from kernels_rocm.mxfp4_linear import GemmConfig, mxfp4_linear
 from kernels_rocm import mxfp4_linear as mxfp4_linear_mod
 from kernels_rocm.mxfp4_moe import (DECODE_MAX_TOKENS, PREFILL_PAIRS_PER_EXPERT, MoeConfig, default_config,
@@ -115,6 +116,38 @@ def test_linear_e8m0_bytes_0_and_254(quantize):
     out = mxfp4_linear(x, packed, scale, None, quantize_activations=quantize)
     ref = _linear_reference(x, packed, scale, None, quantize)
     assert ref.abs().max() > 1e-3 and torch.isfinite(ref).all()
+    _close(out, ref)
+
+
+def _with_fold_edge_scales(packed, scale, x):
+    """Scale bytes at the ends of what folds: one 32-block of every row at byte 0 (2^-127, the fold's
+    multiplier 2^-1), another at FOLD_MAX_SCALE_BYTE (2^1, multiplier 2^127); x's block 0 scaled by
+    2^120 so that it weighs in the output."""
+    scale[..., 0] = 0
+    scale[..., -1] = FOLD_MAX_SCALE_BYTE
+    x = x.clone()
+    x[:, :32] *= 2.0**120
+    return packed, scale, x
+
+
+def test_foldable_scales():
+    assert foldable_scales(torch.tensor([0, 127, FOLD_MAX_SCALE_BYTE], dtype=torch.uint8))
+    assert not foldable_scales(torch.tensor([[120], [FOLD_MAX_SCALE_BYTE + 1]], dtype=torch.uint8))
+    assert not foldable_scales(torch.zeros(3, dtype=torch.uint8), torch.tensor([254], dtype=torch.uint8))
+    assert foldable_scales(torch.zeros(0, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+@pytest.mark.parametrize("config", [None, GemmConfig(16, 16, 32, split_k=2)], ids=["default", "split2"])
+def test_linear_folded_scales_match_reference(quantize, config):
+    """fold_scales: each scale applied in the decode's one multiply, exact over the bytes that fold."""
+    g = torch.Generator().manual_seed(3)
+    packed, scale = _random_mxfp4(40, 128, g=g, low=110, high=FOLD_MAX_SCALE_BYTE + 1)
+    packed, scale, x = _with_fold_edge_scales(packed, scale, torch.randn(5, 128, generator=g))
+    assert foldable_scales(scale)
+    out = mxfp4_linear(x, packed, scale, None, quantize_activations=quantize, config=config, fold_scales=True)
+    ref = _linear_reference(x, packed, scale, None, quantize)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 1e-3
     _close(out, ref)
 
 
@@ -312,6 +345,22 @@ def test_moe_e8m0_bytes_0_and_254(path):
     _close(fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=config), ref)
 
 
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+def test_moe_folded_scales_match_reference(quantize):
+    """The grouped GEMMs with fold_scales (GEMM 2 walking N tiles too), scale bytes 0 and 128 included."""
+    g = torch.Generator().manual_seed(13)
+    x, w13, s13, w2, s2, weights, ids = _moe_case(9, 3, g)
+    w13, s13, x = _with_fold_edge_scales(w13, s13, x)
+    s2[..., -1] = FOLD_MAX_SCALE_BYTE
+    assert foldable_scales(s13, s2)
+    config = MoeConfig(gate_up=GemmConfig(16, 64, 64), down=GemmConfig(16, 32, 32), down_n_tiles=2)
+    out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, out=nan_like(x), config=config,
+                          fold_scales=True)
+    ref = _moe_reference(x, w13, s13, w2, s2, weights, ids, quantize)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 1e-3
+    _close(out, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_qdq_rows_equals_reference(dtype):
     """The grouped path's once-per-call activation QDQ equals qdq_mxfp4 exactly: odd rows, a width
@@ -434,3 +483,31 @@ def test_moe_decode_rejects_bad_config():
         fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, False, config=DecodeConfig(down_warps=16))
     with pytest.raises(ValueError, match="gate_up_k_lanes"):
         fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, True, config=DecodeConfig(gate_up_k_lanes=24))
+
+
+def test_layers_bind_fold_scales_after_loading():
+    """The Triton MXFP4 layers check their scales once after loading and pass fold_scales to every call."""
+    from model_ops.quant.mxfp4_layers import MXFP4Experts, MXFP4Linear, mxfp4_linear_reference
+
+    g = torch.Generator().manual_seed(21)
+    experts = MXFP4Experts(EXPERTS, HIDDEN, INTER, quantize_activations=True, backend="triton")
+    x, w13, s13, w2, s2, weights, ids = _moe_case(3, 2, g)
+    for name, value in dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2).items():
+        getattr(experts, name).data.copy_(value)
+    experts.process_weights_after_loading()
+    assert experts.impl.keywords == {"fold_scales": True}
+    _close(experts(x, weights, ids), _moe_reference(x, w13, s13, w2, s2, weights, ids, True))
+
+    linear = MXFP4Linear(64, 24)
+    assert linear.impl is mxfp4_linear_reference  # on CPU: nothing to bind
+    linear.process_weights_after_loading()
+    assert linear.impl is mxfp4_linear_reference
+    linear.impl = mxfp4_linear  # as on a GPU
+    packed, scale = _random_mxfp4(24, 64, g=g)
+    scale[3, 1] = FOLD_MAX_SCALE_BYTE + 1  # one scale of 4: the fold would overflow
+    linear.weight.data.copy_(packed)
+    linear.weight_scale.data.copy_(scale)
+    linear.process_weights_after_loading()
+    assert linear.impl.keywords == {"fold_scales": False}
+    x = torch.randn(2, 64, generator=g)
+    _close(linear(x), _linear_reference(x, packed, scale, None, True))

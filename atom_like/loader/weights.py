@@ -63,11 +63,12 @@ class CheckedParameters(Protocol):
 
 @runtime_checkable
 class ProcessedAfterLoading(Protocol):
-    """A module whose kernels read its parameters in a layout of their own (aiter's shuffled MXFP4)."""
+    """A module whose kernels read its parameters in a layout of their own (aiter's shuffled MXFP4), or
+    take a fact about them as a constant (whether MXFP4 scales fold into the decode's multiply)."""
 
     def process_weights_after_loading(self) -> None:
-        """Rearrange the loaded parameters for the module's kernels; called once, after the whole
-        checkpoint is loaded and checked."""
+        """Rearrange (or inspect) the loaded parameters for the module's kernels; called once, after
+        the whole checkpoint is loaded and checked."""
 
 
 @dataclass(frozen=True)

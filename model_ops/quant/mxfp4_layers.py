@@ -22,6 +22,7 @@ place, by `process_weights_after_loading`.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable, Hashable
 
@@ -115,6 +116,16 @@ def mxfp4_experts_impl(backend: str) -> MXFP4ExpertsFn:
     return fused_moe_mxfp4_reference
 
 
+def _bind_scale_fold(impl: Callable[..., torch.Tensor], *scales: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """A Triton impl bound to `fold_scales`: whether every E8M0 byte of the loaded scales lets the
+    GEMMs apply it in the weight decode's one multiply (kernels_rocm._mxfp4.foldable_scales). Checked
+    once, after loading (it reads the scales back); a kernel argument because it must be constant
+    inside a captured graph."""
+    from kernels_rocm._mxfp4 import foldable_scales
+
+    return functools.partial(impl, fold_scales=foldable_scales(*scales))
+
+
 def _packed_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
 
@@ -166,6 +177,11 @@ class MXFP4Linear(nn.Module):
             return out.view(*x.shape[:-1], self.out_features)
 
         return sharded_output(self.sharding, product, self.bias)
+
+    # ProcessedAfterLoading (atom_like.loader.weights)
+    def process_weights_after_loading(self) -> None:
+        if self.impl is not mxfp4_linear_reference:  # the Triton kernel
+            self.impl = _bind_scale_fold(self.impl, self.weight_scale.data)
 
     # TPSharded (model_ops.tp): rows are free to split, input columns only between blocks
     def tp_slice(self, param: str, shard: Hashable | None) -> TPSlice | None:
@@ -244,6 +260,8 @@ class MXFP4Experts(nn.Module):
     def process_weights_after_loading(self) -> None:
         if self.aiter is not None:
             self.aiter.shuffle_in_place(self.w13.data, self.w13_scale.data, self.w2.data, self.w2_scale.data)
+        elif self.backend == "triton":
+            self.impl = _bind_scale_fold(self.impl, self.w13_scale.data, self.w2_scale.data)
 
     # ShardedParameters (atom_like.loader.weights): one shard per expert and projection, "3.up_proj".
     def weight_shards(self, param: str) -> list[str]:

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from _kernel_cases import make_metadata, metadata_args  # tests/ is on sys.path via tests/conftest.py
-from kernels_rocm._mxfp4 import e2m1_pair_to_bf16_ptx, e8m0_to_bf16
+from kernels_rocm._mxfp4 import (FOLD_MAX_SCALE_BYTE, e2m1_pair_placed_bf16_ptx, e2m1_pair_to_bf16_ptx, e8m0_folded_bf16,
+                                  e8m0_to_bf16, foldable_scales)
 from kernels_rocm.kv_cache import write_kv_cache, write_mla_kv_cache
 from kernels_rocm.mla_decode import e4m3fn_to_f16_ptx, mla_paged_attention
 from kernels_rocm.mxfp4_linear import mxfp4_linear
@@ -98,6 +99,20 @@ def test_fused_moe_mxfp4(shape, num_tokens, quantize):
     out = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize,
                           out=torch.full_like(x, float("nan")))
     assert_rel_close(out, moe_reference(x, w13, s13, w2, s2, weights, ids, quantize))
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["w4a16", "w4a4_qdq"])
+@pytest.mark.parametrize("num_tokens", [256, 2048])  # the grouped GEMMs: 16-row blocks walking N tiles, prefill tiles
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_fused_moe_mxfp4_folded_scales_bit_for_bit(shape, num_tokens, quantize):
+    """fold_scales gives the unfolded kernels' output bit for bit (the same decoded values, the same
+    dots), at realistic scales and with bytes 0 and FOLD_MAX_SCALE_BYTE in every row."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(shape, num_tokens)
+    s13[..., 0], s2[..., 0], s13[..., -1] = 0, 0, FOLD_MAX_SCALE_BYTE
+    assert foldable_scales(s13, s2)
+    folded = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize, fold_scales=True)
+    plain = fused_moe_mxfp4(x, w13, s13, w2, s2, weights, ids, quantize)
+    assert torch.isfinite(plain).all() and torch.equal(folded, plain)
 
 
 def test_e8m0_bytes_0_and_254_compiled():
@@ -218,6 +233,30 @@ def test_ptx_decode_is_exact_for_every_byte_and_scale():
 
 
 @triton.jit
+def _folded_decode_probe_kernel(packed_ptr, scale_ptr, out_ptr):
+    """`_decode_probe_kernel` with the scale folded into the placement's multiply (fold_scales)."""
+    row = tl.program_id(0)
+    packed = tl.load(packed_ptr + row * 16 + tl.arange(0, 16))
+    lo, hi = e2m1_pair_placed_bf16_ptx(packed)
+    mult = e8m0_folded_bf16(tl.load(scale_ptr + row))
+    tl.store(out_ptr + row * 32 + tl.arange(0, 32), tl.interleave(lo * mult, hi * mult))
+
+
+@pytest.mark.skipif(torch.version.hip is not None, reason="the PTX decode is the CUDA path")
+def test_ptx_folded_decode_is_exact_for_every_byte_and_foldable_scale():
+    """Every packed byte under every E8M0 byte 0..FOLD_MAX_SCALE_BYTE, one multiply by 2^(byte - 1):
+    dequantize_mxfp4 rounded to bf16, bit for bit (results down to 2^-128, bf16 subnormals)."""
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(16, 16)
+    n = FOLD_MAX_SCALE_BYTE + 1
+    packed = codes.repeat(n, 1)
+    scale = torch.arange(n, dtype=torch.uint8, device=DEVICE).repeat_interleave(16)[:, None]
+    out = torch.empty(packed.shape[0], 32, dtype=torch.bfloat16, device=DEVICE)
+    _folded_decode_probe_kernel[(packed.shape[0],)](packed, scale, out)
+    expected = dequantize_mxfp4(packed, scale).bfloat16()
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+
+@triton.jit
 def _fp8_upcast_probe_kernel(codes_ptr, out_ptr, N: tl.constexpr):
     offs = tl.arange(0, N)
     tl.store(out_ptr + offs, e4m3fn_to_f16_ptx(tl.load(codes_ptr + offs)))
@@ -266,6 +305,8 @@ def test_mxfp4_linear(shape, num_tokens, quantize):
     out = mxfp4_linear(x, packed, scale, bias, quantize_activations=quantize)
     a = qdq_mxfp4(x) if quantize else x
     assert_rel_close(out, a.float() @ dequantize_mxfp4(packed, scale).T + bias.float())
+    assert foldable_scales(scale)  # and the scales folded into the decode: the same bits
+    assert torch.equal(mxfp4_linear(x, packed, scale, bias, quantize_activations=quantize, fold_scales=True), out)
 
 
 def _capture(fn):
