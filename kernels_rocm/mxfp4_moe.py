@@ -139,16 +139,19 @@ def prefill_config(pairs_per_expert: float) -> MoeConfig:
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-                   device: torch.device) -> MoeConfig:
+                   device: torch.device, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
     """64 gate + 64 up rows per GEMM 1 program (each activation tile is loaded and QDQ'd for more
     weight rows: 2-15% faster than 32 in the H100 sweeps of ci/bench_mxfp4.py), K tiles of 128;
     GEMM 1 split along K while the grid is small. GEMM 2: on NVIDIA with 16-row M blocks, programs
     of 4 N tiles of 128 columns (H100 sweep: 12% faster at Kimi TP8 T = 256 / 512, whose K = 256
     is two tiles, so setup and pipeline fill dominated a one-tile program; 0.6-2% at full width);
     elsewhere, and on AMD where it was never measured, one tile of 64 columns a program.
-    Prefill-sized calls on NVIDIA (more than 32 pairs an expert): `prefill_config`."""
+    Prefill-sized calls on NVIDIA (more than 32 pairs an expert) with 16-bit activations (`dtype`):
+    `prefill_config`. With fp32 activations (the GPU tests' fp32 models) its 128-row GEMM 1 needs 288 KB
+    of shared memory, above sm_90's 227 (tests/gpu/test_mxfp4_gpu.py failed to launch it): fp32 keeps
+    the tiles below."""
     num_pairs = num_tokens * top_k
-    if not IS_HIP and num_pairs > PREFILL_PAIRS_PER_EXPERT * num_experts:
+    if not IS_HIP and dtype.itemsize == 2 and num_pairs > PREFILL_PAIRS_PER_EXPERT * num_experts:
         return prefill_config(num_pairs / num_experts)
     block_m = choose_block_m(num_pairs, num_experts)
     stages = 2 if IS_HIP else 3
@@ -432,7 +435,7 @@ def fused_moe_mxfp4(
             raise ValueError("config: the expert-grouped GEMV path multiplies MXFP4 codes (quantize_activations=True)")
         return fused_moe_mxfp4_expert_gemv(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out, config)
 
-    cfg = config or default_config(num_tokens, top_k, num_experts, hidden, inter, x.device)
+    cfg = config or default_config(num_tokens, top_k, num_experts, hidden, inter, x.device, x.dtype)
     if cfg.gate_up.block_m != cfg.down.block_m:
         raise ValueError(f"config: both GEMMs share one routing alignment, got block_m "
                          f"{cfg.gate_up.block_m} and {cfg.down.block_m}")

@@ -302,6 +302,9 @@ def test_moe_default_config_takes_the_prefill_tiles_past_32_pairs_an_expert(monk
     assert pick(1536).gate_up.block_m == 32
     assert pick(2048) == prefill_config(2048 * 8 / 384) and pick(2048).gate_up.block_m == 64
     assert pick(8192) == prefill_config(8192 * 8 / 384) and pick(8192).down.block_m == 128
+    # fp32 activations: the prefill tiles' shared memory would not fit an sm_90 program
+    assert default_config(8192, 8, 384, 7168, 256, torch.device("cpu"), torch.float32).gate_up.block_m == 64
+    assert default_config(8192, 8, 384, 7168, 256, torch.device("cpu"), torch.float32) != pick(8192)
     monkeypatch.setattr("kernels_rocm.mxfp4_moe.IS_HIP", True)
     assert pick(8192).gate_up.block_m == 64 and pick(8192).gate_up.block_n == 64
 
