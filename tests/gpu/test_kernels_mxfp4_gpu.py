@@ -208,50 +208,31 @@ def test_moe_decode_e8m0_bytes_0_and_254_compiled():
 
 
 @triton.jit
-def _decode_probe_kernel(packed_ptr, scale_ptr, out_ptr):
-    """One 32-element block per program: the CUDA decode + bf16 scaling the GEMMs use."""
+def _decode_probe_kernel(packed_ptr, scale_ptr, out_ptr, FOLD: tl.constexpr):
+    """One 32-element block per program: the CUDA decode + bf16 scaling the GEMMs use (mxfp4_dot), with
+    the scale apart or, FOLD, folded into the placement's multiply (fold_scales)."""
     row = tl.program_id(0)
     packed = tl.load(packed_ptr + row * 16 + tl.arange(0, 16))
-    lo, hi = e2m1_pair_to_bf16_ptx(packed)
-    scale = e8m0_to_bf16(tl.load(scale_ptr + row))
+    if FOLD:
+        lo, hi = e2m1_pair_placed_bf16_ptx(packed)
+        scale = e8m0_folded_bf16(tl.load(scale_ptr + row))
+    else:
+        lo, hi = e2m1_pair_to_bf16_ptx(packed)
+        scale = e8m0_to_bf16(tl.load(scale_ptr + row))
     tl.store(out_ptr + row * 32 + tl.arange(0, 32), tl.interleave(lo * scale, hi * scale))
 
 
 @pytest.mark.skipif(torch.version.hip is not None, reason="the PTX decode is the CUDA path")
-def test_ptx_decode_is_exact_for_every_byte_and_scale():
-    """Every packed byte (both nibbles, each byte position of a 32-bit word) under every E8M0
-    byte 0..254 equals dequantize_mxfp4 rounded to bf16 bit for bit (2^-127 subnormals, inf past
-    bf16's range included)."""
-    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(16, 16)
-    scales = torch.arange(255, dtype=torch.uint8, device=DEVICE)
-    packed = codes.repeat(255, 1)  # [255 * 16, 16]
-    scale = scales.repeat_interleave(16)[:, None]  # [255 * 16, 1]
+@pytest.mark.parametrize("fold", [False, True], ids=["scale_apart", "scale_folded"])
+def test_ptx_decode_is_exact_for_every_byte_and_scale(fold):
+    """Every packed byte (both nibbles, each byte position of a 32-bit word) under every E8M0 byte
+    0..254 (folded: 0..FOLD_MAX_SCALE_BYTE, one multiply by 2^(byte - 1)) equals dequantize_mxfp4
+    rounded to bf16 bit for bit (2^-127 and 2^-128 subnormals, inf past bf16's range included)."""
+    n = FOLD_MAX_SCALE_BYTE + 1 if fold else 255
+    packed = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(16, 16).repeat(n, 1)  # [n * 16, 16]
+    scale = torch.arange(n, dtype=torch.uint8, device=DEVICE).repeat_interleave(16)[:, None]  # [n * 16, 1]
     out = torch.empty(packed.shape[0], 32, dtype=torch.bfloat16, device=DEVICE)
-    _decode_probe_kernel[(packed.shape[0],)](packed, scale, out)
-    expected = dequantize_mxfp4(packed, scale).bfloat16()
-    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
-
-
-@triton.jit
-def _folded_decode_probe_kernel(packed_ptr, scale_ptr, out_ptr):
-    """`_decode_probe_kernel` with the scale folded into the placement's multiply (fold_scales)."""
-    row = tl.program_id(0)
-    packed = tl.load(packed_ptr + row * 16 + tl.arange(0, 16))
-    lo, hi = e2m1_pair_placed_bf16_ptx(packed)
-    mult = e8m0_folded_bf16(tl.load(scale_ptr + row))
-    tl.store(out_ptr + row * 32 + tl.arange(0, 32), tl.interleave(lo * mult, hi * mult))
-
-
-@pytest.mark.skipif(torch.version.hip is not None, reason="the PTX decode is the CUDA path")
-def test_ptx_folded_decode_is_exact_for_every_byte_and_foldable_scale():
-    """Every packed byte under every E8M0 byte 0..FOLD_MAX_SCALE_BYTE, one multiply by 2^(byte - 1):
-    dequantize_mxfp4 rounded to bf16, bit for bit (results down to 2^-128, bf16 subnormals)."""
-    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(16, 16)
-    n = FOLD_MAX_SCALE_BYTE + 1
-    packed = codes.repeat(n, 1)
-    scale = torch.arange(n, dtype=torch.uint8, device=DEVICE).repeat_interleave(16)[:, None]
-    out = torch.empty(packed.shape[0], 32, dtype=torch.bfloat16, device=DEVICE)
-    _folded_decode_probe_kernel[(packed.shape[0],)](packed, scale, out)
+    _decode_probe_kernel[(packed.shape[0],)](packed, scale, out, FOLD=fold)
     expected = dequantize_mxfp4(packed, scale).bfloat16()
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
 
