@@ -68,15 +68,17 @@ def _grid_barrier(counter_ptr, target):
 
 @triton.jit
 def _persistent_kernel(w_ptr, xs_ptr, counter_ptr, D, STAGES: tl.constexpr, ROWS: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BARRIER: tl.constexpr):
     """Every stage in one launch: program p takes row blocks p, p + P, ...; a grid barrier between stages.
-    xs [STAGES + 1, D]: stage s reads row s, writes row s + 1."""
+    xs [STAGES + 1, D]: stage s reads row s, writes row s + 1. Without BARRIER (timing only: the stages
+    then read inputs not yet written) the same work with nothing between the stages."""
     programs = tl.num_programs(0)
     for stage in range(STAGES):
         w = w_ptr + stage.to(tl.int64) * D * D
         for block in range(tl.program_id(0), D // ROWS, programs):
             _gemv_rows(w, xs_ptr + stage * D, xs_ptr + (stage + 1) * D, block, D, ROWS, BLOCK_K)
-        _grid_barrier(counter_ptr, (stage + 1) * programs)
+        if BARRIER:
+            _grid_barrier(counter_ptr, (stage + 1) * programs)
 
 
 def run_launches(w: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
@@ -87,10 +89,12 @@ def run_launches(w: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
     return xs[-1]
 
 
-def run_persistent(w: torch.Tensor, xs: torch.Tensor, counter: torch.Tensor, programs: int) -> torch.Tensor:
+def run_persistent(w: torch.Tensor, xs: torch.Tensor, counter: torch.Tensor, programs: int,
+                   barrier: bool = True) -> torch.Tensor:
     stages, d, _ = w.shape
     counter.zero_()
-    _persistent_kernel[(programs,)](w, xs, counter, d, STAGES=stages, ROWS=ROWS, BLOCK_K=BLOCK_K, num_warps=4)
+    _persistent_kernel[(programs,)](w, xs, counter, d, STAGES=stages, ROWS=ROWS, BLOCK_K=BLOCK_K, BARRIER=barrier,
+                                    num_warps=4)
     return xs[-1]
 
 
@@ -117,16 +121,19 @@ def main() -> int:
         err_launches = rel_error(run_launches(w, xs).float(), ref)
         row = dict(d=d, stage_mb=d * d * 2 / 1e6, launches_us_per_stage=launches_ms * 1e3 / args.stages,
                    err_launches=err_launches)
-        for programs in (sms, 2 * sms):
+        for programs in (sms, 2 * sms, 4 * sms):  # up to 5 programs of 4 warps fit an SM (96 registers)
             ms = time_graph(lambda: run_persistent(w, xs, counter, programs))
             row[f"persistent_{programs}_us_per_stage"] = ms * 1e3 / args.stages
             row[f"err_persistent_{programs}"] = rel_error(run_persistent(w, xs, counter, programs).float(), ref)
+            ms = time_graph(lambda: run_persistent(w, xs, counter, programs, barrier=False))
+            row[f"no_barrier_{programs}_us_per_stage"] = ms * 1e3 / args.stages
         copy_us = d * d * 2 / result["copy"]["gbps"] / 1e3
         row["copy_us_per_stage"] = copy_us
         result["rows"].append(row)
         print(f"D={d} ({row['stage_mb']:.1f} MB a stage, {copy_us:.2f} us at copy bandwidth): "
               f"launches {row['launches_us_per_stage']:.2f} us a stage, persistent "
-              + ", ".join(f"{p} programs {row[f'persistent_{p}_us_per_stage']:.2f} us" for p in (sms, 2 * sms))
+              + ", ".join(f"{p} programs {row[f'persistent_{p}_us_per_stage']:.2f} us "
+                          f"({row[f'no_barrier_{p}_us_per_stage']:.2f} without barriers)" for p in (sms, 2 * sms, 4 * sms))
               + f"; errors {err_launches:.1e} / {row[f'err_persistent_{sms}']:.1e}", flush=True)
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
