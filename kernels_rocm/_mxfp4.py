@@ -11,7 +11,9 @@ uint8 E8M0 [N, K/32], value 2^(byte - 127).
   Three integer ops and two multiplies per element, no table, no exp2. Compiled for NVIDIA with
   bf16 dots, the same placement is done in PTX on 32-bit registers, two bf16 values an
   instruction (`e2m1_pair_to_bf16_ptx`): the decode is what bounds these GEMMs on an H100
-  (docs/benchmarks.md section 6). ROCm and the interpreter use the portable version.
+  (docs/benchmarks.md section 6). ROCm and the interpreter use the portable version. Where every
+  scale byte of a weight is <= 128 (`foldable_scales`; byte 128 already covers |w| up to 12), the GEMMs make
+  one multiply do both: the placed code times 2^126 * scale = 2^(byte - 1) (`e8m0_folded_*`).
 - E8M0 scales are built from bits (byte << 23; byte 0 is the subnormal 2^-127, 255 is NaN):
   exp2 flushes 2^-127 to zero on GPUs and is inexact in the Triton interpreter.
 - Activations can be quantize-dequantized on the fly with Quark's "even" scale rule, per 32
@@ -256,7 +258,7 @@ def mxfp4_dot(
 
     w_rows / s_rows: [BLOCK_N] pointers to the packed row / scale row of each output column
     (int64 offsets formed by the caller); n_valid masks columns past N; K a multiple of 32.
-    PTX_DECODE (compiled CUDA, bf16 dots) decodes with `e2m1_pair_placed_bf16_ptx` and scales in
+    PTX_DECODE (compiled CUDA, bf16 dots) decodes with `e2m1_pair_to_bf16_ptx` and scales in
     bf16 (exact: a power of two times an E2M1 value stays in bf16's fp32-sized range).
     SCALES_FOLD (every scale byte of W <= 128, `foldable_scales`): each placed code is multiplied once,
     by 2^126 times its block scale (`e8m0_folded_*`), instead of by 2^126 and then by the scale;
@@ -291,9 +293,10 @@ def mxfp4_dot(
 
 
 def foldable_scales(*scales: torch.Tensor) -> bool:
-    """Whether every E8M0 byte of these weight scales is <= FOLD_MAX_SCALE_BYTE (scales <= 2, as in every
-    released checkpoint's weights), so that the GEMMs may fold each scale into the decode's multiply
-    (`mxfp4_dot`'s SCALES_FOLD). Reads the tensors back to the host: once per weight, after loading."""
+    """Whether every E8M0 byte of these weight scales is <= FOLD_MAX_SCALE_BYTE (scales <= 2: blocks of
+    magnitude up to 12, far above an LLM's weights; the tensors decide, nothing is assumed), so that the
+    GEMMs may fold each scale into the decode's multiply (`mxfp4_dot`'s SCALES_FOLD). Reads the tensors
+    back to the host: once per weight, after loading."""
     return all(bool((s <= FOLD_MAX_SCALE_BYTE).all()) for s in scales if s.numel())
 
 
