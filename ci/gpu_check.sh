@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the GPU tests and every benchmark, results under $OUT.
 #
-#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy] [roofline] [tp] [kimi] [adaptive] [merge] [mxfp4_decode] [mxfp4_prefill]
+#   OUT=/some/dir [GPU_TESTS="tests/gpu/x.py ..."] ci/gpu_check.sh [tests] [kernels] [mxfp4] [models] [spec] [gsm8k] [prefix] [mxfp4_accuracy] [roofline] [tp] [kimi] [adaptive] [merge] [mxfp4_decode] [mxfp4_prefill] [grid_barrier]
 #
 # merge (not in the default set; one GPU, under a minute) runs ci/bench_merge.py: the split-KV merge alone,
 # the former loop kernel vs the tiled one, at Kimi TP8's MLA and Llama-8B's MHA shapes.
 #
 # mxfp4_prefill (not in the default set; one H100, a few minutes) runs ci/bench_mxfp4_prefill.py: the MXFP4
 # grouped MoE, the dense MXFP4 linear and the MoE alignment at prefill sizes, each against the choice it replaced.
+#
+# grid_barrier (not in the default set; one NVIDIA GPU, under a minute) runs ci/bench_grid_barrier.py: a chain of
+# dependent GEMV stages as PDL launches vs one persistent launch with grid barriers (issue 21).
 #
 # mxfp4_decode (not in the default set; one GPU, ~1 min) runs ci/bench_mxfp4_decode.py alone (the mxfp4
 # part runs it after ci/bench_mxfp4.py); $BENCH_MXFP4_DECODE_ARGS passes flags (e.g. "--sweep").
@@ -85,6 +88,7 @@ for part in "${parts[@]}"; do
     merge) run bench_merge python3 ci/bench_merge.py --out "$OUT" ;;
     mxfp4_decode) run bench_mxfp4_decode python3 ci/bench_mxfp4_decode.py --out "$OUT" ${BENCH_MXFP4_DECODE_ARGS:-} ;;
     mxfp4_prefill) run bench_mxfp4_prefill python3 ci/bench_mxfp4_prefill.py --out "$OUT" ;;
+    grid_barrier) run bench_grid_barrier python3 ci/bench_grid_barrier.py --out "$OUT" ;;
     kimi) run bench_kimi python3 ci/bench_kimi.py ${BENCH_KIMI_ARGS:-} ;;
     adaptive) run bench_adaptive env ATOM_LIKE_CACHE="${ATOM_LIKE_CACHE:-/tmp/zoo_work/models}" \
              python3 ci/bench_adaptive.py ${BENCH_ADAPTIVE_ARGS:-} ;;
