@@ -183,7 +183,11 @@ def test_benchmark_serving_sharegpt(server, make_llama):
     assert summary["completed"] == 4 and summary["total_input_tokens"] >= 4 * 4
 
 
-def test_periodic_stats_log_line(server):
+def test_periodic_stats_log_line(server, model):
+    # work of its own: the server logs only while it has (or just had) work, and under xdist this test
+    # may share its module's server with no other test (a CI run failed so, 2026-11-27)
+    httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+               json=dict(model=model, prompt=[1, 2, 3], max_tokens=24, temperature=0, ignore_eos=True))
     deadline = time.monotonic() + 10
     while "generation throughput" not in server.log_tail(20000) and time.monotonic() < deadline:
         time.sleep(0.2)
