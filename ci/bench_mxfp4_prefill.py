@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels_rocm.fused_moe as fused_moe_mod  # noqa: E402
 import kernels_rocm.mxfp4_linear as linear_mod  # noqa: E402
 import kernels_rocm.mxfp4_moe as moe_mod  # noqa: E402
-from bench_mxfp4 import MOE_SHAPES, MoeWeights, random_mxfp4, routing  # noqa: E402
+from bench_mxfp4 import MOE_SHAPES, MoeWeights, moe_call_inputs, random_mxfp4, routing  # noqa: E402
 from kernels_rocm._mxfp4 import foldable_scales  # noqa: E402
 from gpu_timing import measure_copy_bandwidth, rel_error, time_graph  # noqa: E402
 
@@ -62,12 +62,8 @@ def bench_fold(gen: torch.Generator, copy_gbps: float) -> list[dict]:
     for name, shape in MOE_SHAPES.items():
         weights = MoeWeights(shape, with_bf16=False)
         assert weights.fold, "bench_mxfp4.random_mxfp4's scale bytes fold"
-        experts, top_k, hidden, inter = shape
         for t in (128, 256, 512, 2048, 8192) if "TP8" in name else (256, 512, 8192):
-            x = torch.randn(t, hidden, generator=gen, device="cuda").bfloat16()
-            topk_weights, ids = routing(t, experts, top_k, gen)
-            hit = int(torch.unique(ids).numel())
-            num_bytes = hit * weights.expert_bytes() + 2 * x.numel() * x.element_size()
+            x, topk_weights, ids, _, _, num_bytes = moe_call_inputs(weights, t, gen)
             for quantize in (True, False):
                 row = both(lambda: mock.patch.object(weights, "fold", False),
                            lambda: weights.run(x, topk_weights, ids, quantize))

@@ -297,7 +297,7 @@ def foldable_scales(*scales: torch.Tensor) -> bool:
     magnitude up to 12, far above an LLM's weights; the tensors decide, nothing is assumed), so that the
     GEMMs may fold each scale into the decode's multiply (`mxfp4_dot`'s SCALES_FOLD). Reads the tensors
     back to the host: once per weight, after loading."""
-    return all(bool((s <= FOLD_MAX_SCALE_BYTE).all()) for s in scales if s.numel())
+    return all(int(s.max()) <= FOLD_MAX_SCALE_BYTE for s in scales if s.numel())
 
 
 def check_mxfp4_weight(name: str, weight, scale, scale_name: str, k: int | None = None) -> None:
