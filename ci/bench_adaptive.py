@@ -150,7 +150,13 @@ class Rotation(DraftLengthPolicy):
     current mode's policy chooses, and each step's verifications go to the policy that chose it,
     numbered in its own steps (0, 1, 2 ...). So an adaptive policy's acceptance weights decay over
     its own steps only, as if the other windows had not run between its own. Its step samples are
-    dropped for the first two steps of a window: the first spans the other windows since its last."""
+    dropped for the first two steps of a window: the first spans the other windows since its last.
+
+    Each change of k by this tree's adaptive policy is logged in `choices` with what the policy chose by:
+    (its own step, the new k, its step times T(batch, k) in ms for every k, E[accepted | k] for every k).
+    Why: the JSON's final prices did not explain the zoo run's drafting at batch 64, T = 1, where the policy
+    drafted 42% of its steps with final prices that put every k >= 1 above k = 0 (docs/benchmarks.md
+    section 11, "The zoo part's verdict run")."""
 
     FRESH_STEPS = 2
 
@@ -160,6 +166,7 @@ class Rotation(DraftLengthPolicy):
         self.mode, self._fresh = next(iter(policies)), 0
         self._chooser: dict[int, tuple[str, int]] = {}  # engine step -> (the mode that chose it, its own step)
         self._steps = collections.Counter()
+        self.choices: dict[str, list] = collections.defaultdict(list)
 
     def switch(self, mode: str) -> None:
         self.mode, self._fresh = mode, self.FRESH_STEPS
@@ -170,7 +177,14 @@ class Rotation(DraftLengthPolicy):
         self._chooser[step] = (self.mode, own)
         self._chooser.pop(step - 16, None)  # observed long since (two steps of lag)
         self._fresh -= 1
-        return self.policies[self.mode].choose(own, num_seqs)
+        policy = self.policies[self.mode]
+        k = policy.choose(own, num_seqs)
+        if isinstance(policy, AdaptiveDraftLength):
+            log = self.choices[self.mode]
+            if not log or log[-1][1] != k:
+                log.append((own, k, [round(t * 1e3, 4) for t in policy.step_times(num_seqs)],
+                            [round(g, 3) for g in policy.tracker.expected_accepted()]))
+        return k
 
     def observe(self, step: int, drafted: list[int], accepted: list[int]) -> None:
         if step in self._chooser:  # (not the prefill's steps)
@@ -257,6 +271,8 @@ def interleaved(plain, spec, policies: dict[str, DraftLengthPolicy], prompt_sets
         finish(spec, ids["spec"])
     windows["off"] = [w for mode, w in calibration if mode == "off"]
     rows = {mode: summarize(ws, policies.get(mode), len(prompt_sets[0])) for mode, ws in windows.items()}
+    for mode, log in rotation.choices.items():
+        rows[mode]["choices"] = log
     k0 = summarize([w for mode, w in calibration if mode == "k=0"], None, len(prompt_sets[0]))
     rows["off"]["vs_k0_same_context"] = rows["off"]["tokens_per_s"] / k0["tokens_per_s"]
     return rows

@@ -34,6 +34,18 @@ def test_smoke_writes_every_point(tmp_path, monkeypatch):
     for mode in ("adaptive", "adaptive-same", "adaptive-c"):
         adaptive = {(r["batch"], r["forced"]): r["mean_k"] for r in rows if r["mode"] == mode}
         assert adaptive[1, 0] == 0 and adaptive[1, 2] == 2
+    # this tree's policy logs each change of k with the step times and expected acceptance it chose by:
+    # the k logged is the one with the highest rate (1 + E[accepted | k]) / T(k) (the smallest k of a tie)
+    for r in rows:
+        if r["mode"] == "adaptive":
+            log = r["choices"]
+            assert log and all(a[1] != b[1] for a, b in zip(log, log[1:]))  # changes only
+            for _, k, times, gain in log:
+                assert len(times) == len(gain) == 3
+                rates = [(1 + g) / t for g, t in zip(gain, times)]
+                assert rates.index(max(rates)) == k or rates[k] >= max(rates) * (1 - 1e-3)  # (rounded values)
+        else:
+            assert "choices" not in r
     assert len(out["forced_verdicts"]) == 6 * 3
     assert json.loads((tmp_path / "bench_adaptive.json").read_text())["meta"]["k"] == 2
     text = (tmp_path / "bench_adaptive.md").read_text()
