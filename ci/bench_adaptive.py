@@ -154,9 +154,10 @@ class Rotation(DraftLengthPolicy):
 
     Each change of k by this tree's adaptive policy is logged in `choices` with what the policy chose by:
     (its own step, the new k, its step times T(batch, k) in ms for every k, E[accepted | k] for every k);
-    ~7 µs of host time an entry on CI's CPU, at the few percent of steps that change k. Why: the JSON's final prices did not explain the zoo run's drafting at batch 64, T = 1, where the policy
-    drafted 42% of its steps with final prices that put every k >= 1 above k = 0 (docs/benchmarks.md
-    section 11, "The zoo part's verdict run")."""
+    ~7 µs of host time an entry (a 2-core CPU machine, 2026-11-27), paid at the few percent of steps that
+    change k. Why: the JSON's final prices did not explain the zoo run's drafting at batch 64, T = 1, where
+    the policy drafted 42% of its steps with final prices that put every k >= 1 above k = 0
+    (docs/benchmarks.md section 11, "The zoo part's verdict run")."""
 
     FRESH_STEPS = 2
 
