@@ -152,7 +152,8 @@ class Rotation(DraftLengthPolicy):
     its own steps only, as if the other windows had not run between its own. Its step samples are
     dropped for the first two steps of a window: the first spans the other windows since its last.
 
-    Each change of k by this tree's adaptive policy is logged in `choices` with what the policy chose by:
+    Each change of k by an adaptive mode ("adaptive" and the saved policies of --policy-b, "adaptive-<name>":
+    every saved version has `step_times` and `tracker`) is logged in `choices` with what the policy chose by:
     (its own step, the new k, its step times T(batch, k) in ms for every k, E[accepted | k] for every k);
     ~7 µs of host time an entry (a 2-core CPU machine, 2026-11-27), paid at the few percent of steps that
     change k. Why: the JSON's final prices did not explain the zoo run's drafting at batch 64, T = 1, where
@@ -180,7 +181,7 @@ class Rotation(DraftLengthPolicy):
         self._fresh -= 1
         policy = self.policies[self.mode]
         k = policy.choose(own, num_seqs)
-        if isinstance(policy, AdaptiveDraftLength):
+        if self.mode.startswith("adaptive"):
             log = self.choices[self.mode]
             if not log or log[-1][1] != k:
                 log.append((own, k, [round(t * 1e3, 4) for t in policy.step_times(num_seqs)],
