@@ -253,6 +253,7 @@ def mxfp4_dot(
     acc, a, w_rows, s_rows, n_valid, k0, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr, SCALES_FOLD: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T for MXFP4 W.
 
@@ -263,14 +264,21 @@ def mxfp4_dot(
     SCALES_FOLD (every scale byte of W <= 128, `foldable_scales`): each placed code is multiplied once,
     by 2^126 times its block scale (`e8m0_folded_*`), instead of by 2^126 and then by the scale;
     the same values, a multiply and the E8M0 edge cases (bytes 0 and 255) fewer per weight pair.
+    EVEN_K (K a multiple of BLOCK_K): no block of a tile lies past K, so only columns are masked; the
+    scale bytes of a row then load as one vector instead of byte by byte (H100, grouped W4A4 at
+    T = 256-512: 1-2% faster, bit-equal; docs/benchmarks.md section 6).
     """
     groups = tl.arange(0, BLOCK_K // 32)
-    k_valid = (k0 + groups * 32) < K  # whole 32-blocks are in or out
-    scale_bytes = tl.load(s_rows[:, None] + k0 // 32 + groups[None, :],
-                          mask=n_valid[:, None] & k_valid[None, :], other=127)
+    if EVEN_K:
+        s_mask = n_valid[:, None]
+        w_mask = n_valid[:, None, None]
+    else:
+        k_valid = (k0 + groups * 32) < K  # whole 32-blocks are in or out
+        s_mask = n_valid[:, None] & k_valid[None, :]
+        w_mask = n_valid[:, None, None] & k_valid[None, :, None]
+    scale_bytes = tl.load(s_rows[:, None] + k0 // 32 + groups[None, :], mask=s_mask, other=127)
     byte_offs = k0 // 2 + groups[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16]
-    mask = n_valid[:, None, None] & k_valid[None, :, None]
-    packed = tl.load(w_rows[:, None, None] + byte_offs[None, :, :], mask=mask, other=0)
+    packed = tl.load(w_rows[:, None, None] + byte_offs[None, :, :], mask=w_mask, other=0)
     if PTX_DECODE:
         if SCALES_FOLD:
             scale = e8m0_folded_bf16(scale_bytes)[:, :, None]

@@ -104,6 +104,7 @@ def _mxfp4_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
     SCALES_FOLD: tl.constexpr,  # every scale byte of w <= 128 (`foldable_scales`)
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0 (`mxfp4_dot`)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -126,7 +127,7 @@ def _mxfp4_linear_kernel(
             QUANTIZE, BLOCK_M, BLOCK_K, DOT_DTYPE,
         )
         acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
-                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD)
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD, EVEN_K)
 
     mask = m_valid[:, None] & n_valid[None, :]
     if SPLIT_K == 1:
@@ -208,7 +209,7 @@ def mxfp4_linear(
         HAS_BIAS=bias is not None, QUANTIZE=quantize_activations, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype), PTX_DECODE=ptx_decode(x.dtype),
-        SCALES_FOLD=fold_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SCALES_FOLD=fold_scales, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
         block = min(1024, triton.next_power_of_2(n))

@@ -178,7 +178,7 @@ def _gate_up_epilogue(gate, up, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, COLS
 def _k_step(acc, acc_up, a_rows, pair_valid, w_rows, s_rows, n_valid, k0, N, K, stride_wn, stride_sn,
             GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
-            SCALES_FOLD: tl.constexpr):
+            SCALES_FOLD: tl.constexpr, EVEN_K: tl.constexpr):
     """One K tile of a program's (gate and up, or down) accumulators."""
     offs_k = tl.arange(0, BLOCK_K)
     a = load_activation(
@@ -186,10 +186,10 @@ def _k_step(acc, acc_up, a_rows, pair_valid, w_rows, s_rows, n_valid, k0, N, K, 
         False, BLOCK_M, BLOCK_K, DOT_DTYPE,
     )
     acc = mxfp4_dot(acc, a, w_rows, s_rows, n_valid, k0, K,
-                    BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD)
+                    BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD, EVEN_K)
     if GATE_UP:
         acc_up = mxfp4_dot(acc_up, a, w_rows + N * stride_wn, s_rows + N * stride_sn, n_valid, k0, K,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD)
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD, EVEN_K)
     return acc, acc_up
 
 
@@ -226,6 +226,7 @@ def _mxfp4_moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PTX_DECODE: tl.constexpr,
     SCALES_FOLD: tl.constexpr,  # every scale byte of w <= 128 (`foldable_scales`)
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0 (`mxfp4_dot`)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -254,7 +255,7 @@ def _mxfp4_moe_gemm_kernel(
         for tile in range(first, last):
             acc, acc_up = _k_step(acc, acc_up, a_rows, pair_valid, w_rows, s_rows, n_valid, tile * BLOCK_K, N, K,
                                   stride_wn, stride_sn, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD)
+                                  DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD, EVEN_K)
         if SPLIT_K > 1:
             part = part_ptr + (split * num_pairs + pair)[:, None] * (2 * N) + offs_n[None, :]
             mask = pair_valid[:, None] & n_valid[None, :]
@@ -283,7 +284,7 @@ def _mxfp4_moe_gemm_kernel(
             s_rows = s_expert + offs_n.to(tl.int64) * stride_sn
             acc, acc_up = _k_step(acc, acc_up, a_rows, pair_valid, w_rows, s_rows, n_valid, k_tile * BLOCK_K, N, K,
                                   stride_wn, stride_sn, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD)
+                                  DOT_DTYPE, DOT_PRECISION, PTX_DECODE, SCALES_FOLD, EVEN_K)
             if k_tile == K_TILES - 1:
                 _store_tile(c_ptr, acc, acc_up, routed, pair, pair_valid, offs_n, n_valid, stride_cm,
                             GATE_UP, MUL_ROUTED_WEIGHT, QUANTIZE, BLOCK_M, BLOCK_N)
@@ -352,7 +353,7 @@ def _launch_gemm(
         K_TILES=triton.cdiv(k, cfg.block_k) if n_tiles > 1 else 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(a.dtype), DOT_PRECISION=dot_precision(a.dtype), PTX_DECODE=ptx_decode(a.dtype),
-        SCALES_FOLD=fold_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SCALES_FOLD=fold_scales, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
         block = min(256, triton.next_power_of_2(n))
