@@ -86,28 +86,30 @@ class AcceptanceTracker:
 
     def __init__(self, max_drafts: int, decay: float = 0.95, prior: float = 0.7, prior_weight: float = 0.1):
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
-        self._reached = np.zeros(max_drafts)
-        self._accepted = np.zeros(max_drafts)
+        # Python lists, not numpy arrays: at most 8 positions, and the policy runs on the step's
+        # critical path, where numpy's per-call cost was most of the policy's host time (below)
+        self._reached = [0.0] * max_drafts
+        self._accepted = [0.0] * max_drafts
         # steps ended since the counts were last decayed: a step without verifications (k = 0) only
-        # decays, applied at once when the counts are next used, not as two numpy multiplies for
-        # each of the HOLD steps a choice ends
+        # decays, applied at once when the counts are next used, not once for each of the HOLD
+        # steps a choice ends
         self._decays = 0
 
     @property
-    def reached(self) -> np.ndarray:
+    def reached(self) -> list[float]:
         self._settle()
         return self._reached
 
     @property
-    def accepted(self) -> np.ndarray:
+    def accepted(self) -> list[float]:
         self._settle()
         return self._accepted
 
     def _settle(self) -> None:
         if self._decays:
             factor = self.decay ** self._decays
-            self._reached *= factor
-            self._accepted *= factor
+            self._reached = [x * factor for x in self._reached]
+            self._accepted = [x * factor for x in self._accepted]
             self._decays = 0
 
     def skip(self, steps: int) -> None:
@@ -127,8 +129,8 @@ class AcceptanceTracker:
         if len(drafted) > 16:
             a = np.asarray(accepted, dtype=np.int64)
             # position i is reached by verifications with min(accepted + 1, drafted) > i, accepted by those with accepted > i
-            self._reached += _at_least(np.minimum(a + 1, np.asarray(drafted, dtype=np.int64)), n)
-            self._accepted += _at_least(a, n)
+            reached = _at_least(np.minimum(a + 1, np.asarray(drafted, dtype=np.int64)), n).tolist()
+            hits = _at_least(a, n).tolist()
         else:  # the same in Python: numpy's per-call cost is most of a small batch's (7 us against 3)
             reached, hits = [0] * (n + 1), [0] * (n + 1)
             for d, a in zip(drafted, accepted):
@@ -137,13 +139,14 @@ class AcceptanceTracker:
             for i in range(n - 1, -1, -1):  # suffix sums over values > i
                 reached[i] += reached[i + 1]
                 hits[i] += hits[i + 1]
-            self._reached += reached[1:]
-            self._accepted += hits[1:]
+            reached, hits = reached[1:], hits[1:]
+        self._reached = [x + y for x, y in zip(self._reached, reached)]
+        self._accepted = [x + y for x, y in zip(self._accepted, hits)]
 
     def rates(self) -> list[float]:
         out, prior = [], self.prior
         self._settle()
-        for reached, accepted in zip(self._reached.tolist(), self._accepted.tolist()):
+        for reached, accepted in zip(self._reached, self._accepted):
             prior = (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
             out.append(prior)
         return out

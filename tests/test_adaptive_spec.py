@@ -204,15 +204,15 @@ def test_metrics_show_k_and_exact_per_position_rates():
 def test_tracker_arithmetic():
     t = AcceptanceTracker(3, decay=0.5, prior=0.6, prior_weight=1.0)
     t.end_step([3, 2, 1], [1, 2, 0])  # reached: pos0 3, pos1 2, pos2 0; accepted: pos0 2, pos1 1
-    assert t.reached.tolist() == [3, 2, 0] and t.accepted.tolist() == [2, 1, 0]
+    assert t.reached == [3, 2, 0] and t.accepted == [2, 1, 0]
     a0 = (2 + 0.6) / 4
     a1 = (1 + a0) / 3
     assert t.rates() == pytest.approx([a0, a1, a1])  # position 2: no evidence, follows position 1
     assert t.expected_accepted() == pytest.approx([0, a0, a0 + a0 * a1, a0 + a0 * a1 + a0 * a1 * a1])
     t.end_step([], [])
-    assert t.reached.tolist() == [1.5, 1.0, 0.0]
+    assert t.reached == [1.5, 1.0, 0.0]
     t.end_step([3, 3, 3, 2], [3, 0, 2, 1])  # all accepted; none; two of three; one of two
-    assert t.reached.tolist() == [0.75 + 4, 0.5 + 3, 0.0 + 2] and t.accepted.tolist() == [0.5 + 3, 0.25 + 2, 0.0 + 1]
+    assert t.reached == [0.75 + 4, 0.5 + 3, 0.0 + 2] and t.accepted == [0.5 + 3, 0.25 + 2, 0.0 + 1]
 
 
 def forced_run(m, steps=200, num_seqs=8, k=5):
@@ -288,9 +288,9 @@ def test_policy_uses_only_steps_two_back():
     assert policy.choose(0, 8) == 3  # the prior: speculate
     policy.observe(2 * hold - 2, [3] * 8, [0] * 8)
     policy.observe(2 * hold - 1, [3] * 4, [3] * 4)
-    assert policy.choose(hold, 8) == 3 and policy.tracker.reached.tolist() == [0, 0, 0]
+    assert policy.choose(hold, 8) == 3 and policy.tracker.reached == [0, 0, 0]
     # step 2 * hold - 2 merged (8 drafts, none accepted), step 2 * hold - 1 not (4 drafts, all accepted)
-    assert policy.choose(2 * hold, 8) == 0 and policy.tracker.reached.tolist() == [8, 0, 0]
+    assert policy.choose(2 * hold, 8) == 0 and policy.tracker.reached == [8, 0, 0]
 
 
 def test_host_bound_steps_are_priced_by_their_periods():
