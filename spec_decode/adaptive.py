@@ -37,7 +37,6 @@ not pay the probes cost next to nothing (AdaptiveDraftLength.choose).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
@@ -118,30 +117,38 @@ class AcceptanceTracker:
 
     def end_step(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         """Decay, then add one step's verifications (sequence i drafted drafted[i], accepted the
-        first accepted[i]). Counted with histograms, not per sequence and position: at batch 128,
-        k = 5 the per-sequence calls and loops took 58 µs of host time a step, now 15 (observe and
-        choose, the CPU machine of CI, 2026-11-27)."""
-        self.skip(1)
-        if not drafted:
-            return
-        self._settle()
+        first accepted[i])."""
+        self.end_steps(1, [(0, drafted, accepted)])
+
+    def end_steps(self, steps: int, verified: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
+        """End `steps` steps, the same counts as end_step / skip step by step: (j, drafted, accepted)
+        in `verified` are the verifications of the j-th of them (0-based, ascending), each weighted by
+        the decays of the steps after it. One pass, as weighted histograms of min(accepted + 1,
+        drafted) and accepted (position i is reached by the verifications whose value is > i, and
+        accepted by those with accepted > i), not per sequence and position: on the GPU host the
+        step-by-step merge of HOLD steps was most of the policy's time (2026-11-28,
+        docs/benchmarks.md section 11)."""
         n = len(self._reached)
-        if len(drafted) > 16:
-            a = np.asarray(accepted, dtype=np.int64)
-            # position i is reached by verifications with min(accepted + 1, drafted) > i, accepted by those with accepted > i
-            reached = _at_least(np.minimum(a + 1, np.asarray(drafted, dtype=np.int64)), n).tolist()
-            hits = _at_least(a, n).tolist()
-        else:  # the same in Python: numpy's per-call cost is most of a small batch's (7 us against 3)
-            reached, hits = [0] * (n + 1), [0] * (n + 1)
-            for d, a in zip(drafted, accepted):
-                reached[min(a + 1, d)] += 1
-                hits[a] += 1
-            for i in range(n - 1, -1, -1):  # suffix sums over values > i
-                reached[i] += reached[i + 1]
-                hits[i] += hits[i + 1]
-            reached, hits = reached[1:], hits[1:]
-        self._reached = [x + y for x, y in zip(self._reached, reached)]
-        self._accepted = [x + y for x, y in zip(self._accepted, hits)]
+        reached, hits = [0.0] * (n + 1), [0.0] * (n + 1)
+        for j, drafted, accepted in verified:
+            w = self.decay ** (steps - 1 - j)
+            if len(drafted) > 16:  # numpy's per-call cost is most of a small batch's (7 us against 3)
+                a = np.asarray(accepted, dtype=np.int64)
+                reach = np.bincount(np.minimum(a + 1, np.asarray(drafted, dtype=np.int64)), minlength=n + 1)
+                for i, (r, h) in enumerate(zip(reach.tolist(), np.bincount(a, minlength=n + 1).tolist())):
+                    reached[i] += w * r
+                    hits[i] += w * h
+            else:
+                for d, a in zip(drafted, accepted):
+                    reached[min(a + 1, d)] += w
+                    hits[a] += w
+        for i in range(n - 1, -1, -1):  # suffix sums over values > i
+            reached[i] += reached[i + 1]
+            hits[i] += hits[i + 1]
+        self.skip(steps)
+        self._settle()
+        self._reached = [x + y for x, y in zip(self._reached, reached[1:])]
+        self._accepted = [x + y for x, y in zip(self._accepted, hits[1:])]
 
     def rates(self) -> list[float]:
         out, prior = [], self.prior
@@ -158,11 +165,6 @@ class AcceptanceTracker:
             out.append(out[-1] + survive * a)
             survive *= a
         return out
-
-
-def _at_least(values: np.ndarray, n: int) -> np.ndarray:
-    """[#(values > i) for i in 0..n-1], values in 0..n."""
-    return np.cumsum(np.bincount(values, minlength=n + 1)[::-1])[::-1][1:n + 1]
 
 
 class AdaptiveDraftLength(DraftLengthPolicy):
@@ -189,17 +191,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self.max_drafts, self.costs = max_drafts, costs
         self.tracker = tracker or AcceptanceTracker(max_drafts)
         self.times = StepTimes(costs.buckets)
-        self._pending: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        self._pending: dict[int, tuple[Sequence[int], Sequence[int]]] = {}  # step -> its verifications
         self._merged = -1  # the last step merged into the tracker
-        self._held = (-1, -1, 0)  # (the step the choice holds until, its bucket, k)
+        self._held = (-1, -1, -1, 0)  # (the step the choice holds until, its batch size, its bucket, k)
         self._drafting = 0  # choices of k >= 1 in a row
         self._quiet = self.HOLD  # how long a choice of k = 0 holds (see choose)
 
     def observe(self, step: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         if step > self._merged:  # (a step already merged cannot be observed: see choose)
-            pending = self._pending[step]
-            pending[0].extend(drafted)
-            pending[1].extend(accepted)
+            self._pending[step] = (drafted, accepted)  # kept, not copied, until merged: the engine's are fresh lists
 
     def observe_step(self, num_seqs: int, k: int, period_seconds: float) -> None:
         self.times.observe(num_seqs, k, period_seconds)
@@ -212,18 +212,17 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         return anchored(seen, device) if seen else device
 
     def choose(self, step: int, num_seqs: int) -> int:
-        until, held_bucket, k = self._held
+        until, held_seqs, held_bucket, k = self._held
+        if step < until and num_seqs == held_seqs:  # (the common case, without the bucket search)
+            return k
         bucket = bucket_index(self.costs.buckets, num_seqs)
         if step < until and bucket == held_bucket:
             return k
         upto = step - 2
         if upto > self._merged:  # steps without verifications only decay: counted, not visited one by one
-            last = self._merged
-            for s in sorted(s for s in self._pending if s <= upto):
-                self.tracker.skip(s - last - 1)
-                self.tracker.end_step(*self._pending.pop(s))
-                last = s
-            self.tracker.skip(upto - last)
+            first = self._merged + 1
+            ready = sorted(s for s in self._pending if s <= upto)
+            self.tracker.end_steps(upto - self._merged, [(s - first, *self._pending.pop(s)) for s in ready])
             self._merged = upto
         gain = self.tracker.expected_accepted()
         times = self.step_times(max(num_seqs, 1))
@@ -244,5 +243,5 @@ class AdaptiveDraftLength(DraftLengthPolicy):
                 self._quiet = self.HOLD
             self._drafting = 0
             hold = self._quiet
-        self._held = (step + hold, bucket, best)
+        self._held = (step + hold, num_seqs, bucket, best)
         return best

@@ -115,9 +115,12 @@ class StepTimes:
         self._quartiles: dict[int, dict[int, float]] = defaultdict(dict)
         self._prices: dict[int, dict[int, float]] = defaultdict(dict)
         self._dirty: dict[int, set[int]] = defaultdict(set)  # per bucket, the ks sampled since
+        self._bucket_of: dict[int, int] = {}  # batch size -> bucket: observe runs at every steady step
 
     def observe(self, num_seqs: int, k: int, seconds: float) -> None:
-        b = bucket_index(self.buckets, num_seqs)
+        b = self._bucket_of.get(num_seqs)
+        if b is None:
+            b = self._bucket_of[num_seqs] = bucket_index(self.buckets, num_seqs)
         self._samples[b, k].append(seconds)
         self._dirty[b].add(k)
 

@@ -215,6 +215,33 @@ def test_tracker_arithmetic():
     assert t.reached == [0.75 + 4, 0.5 + 3, 0.0 + 2] and t.accepted == [0.5 + 3, 0.25 + 2, 0.0 + 1]
 
 
+@pytest.mark.parametrize("batch", [3, 40], ids=["python_histograms", "numpy_histograms"])
+def test_tracker_merges_many_steps_in_one_pass(batch):
+    """end_steps (the policy's merge of the steps since its last choice) against a per-sequence,
+    per-position count decayed step by step: gaps without verifications, ragged drafts, both
+    histogram paths."""
+    rng = np.random.default_rng(batch)
+    decay = 0.9
+    tracker, reached, hits = AcceptanceTracker(5, decay=decay), [0.0] * 5, [0.0] * 5
+    for _ in range(6):
+        steps = int(rng.integers(1, 9))
+        verified = []
+        for j in sorted(rng.choice(steps, size=int(rng.integers(0, steps + 1)), replace=False).tolist()):
+            drafted = rng.integers(1, 6, size=batch).tolist()
+            verified.append((j, drafted, [int(rng.integers(0, d + 1)) for d in drafted]))
+        tracker.end_steps(steps, verified)
+        by_step = dict((j, (d, a)) for j, d, a in verified)
+        for j in range(steps):
+            reached, hits = [x * decay for x in reached], [x * decay for x in hits]
+            for d, a in zip(*by_step.get(j, ([], []))):
+                for i in range(d):
+                    reached[i] += i <= a  # position i is reached when the i before it were accepted
+                    hits[i] += i < a
+        assert tracker.reached == pytest.approx(reached, rel=1e-12)
+        assert tracker.accepted == pytest.approx(hits, rel=1e-12)
+    assert min(reached) > 0 and hits != reached  # the case is not trivial
+
+
 def forced_run(m, steps=200, num_seqs=8, k=5):
     """The policy against verification that accepts exactly min(m, drafted): the k it settles on."""
     policy = AdaptiveDraftLength(k, StepCosts.fixed([1, 8, 64], k))
