@@ -106,13 +106,16 @@ def markdown(out: dict) -> str:
         points = {}
         for r in out[part]:
             points.setdefault((r["batch"], r[key]), {})[r["mode"]] = r["tokens_per_s"]
+            if r["mode"] == "off":
+                points[r["batch"], r[key]]["off_vs_k0"] = r["vs_k0_same_context"]
         for (bs, x), tps in sorted(points.items()):
+            # (merged runs may differ in their --policy-b modes: a mode a point lacks is "-")
             cells = [f"{v[bs, x, p]['adaptive_k']:.2f}, {v[bs, x, p]['vs_off']:.2f}x, {v[bs, x, p]['vs_best']:.2f}x "
                      f"({v[bs, x, p]['best_fixed']}) | {_with_interval(v[bs, x, p], 'vs_off_paired')}, "
                      f"{_with_interval(v[bs, x, p], 'vs_best_paired')} ({v[bs, x, p]['best_fixed_paired']})"
-                     for p in policies]
-            lines.append(f"| {bs} | {x} | " + " | ".join(f"{tps[m]:.0f}" for m in modes) + "".join(f" | {c}" for c in cells)
-                         + f" | {v[bs, x, policies[0]]['plain_vs_k0']:.3f}x |")
+                     if (bs, x, p) in v else "- | -" for p in policies]
+            lines.append(f"| {bs} | {x} | " + " | ".join(f"{tps[m]:.0f}" if m in tps else "-" for m in modes)
+                         + "".join(f" | {c}" for c in cells) + f" | {tps['off_vs_k0']:.3f}x |")
         lines.append("")
         for p in policies:
             mine = [r for r in v.values() if r["policy"] == p]

@@ -65,6 +65,12 @@ def test_smoke_writes_every_point(tmp_path, monkeypatch):
     assert merged["meta"]["forced_step_costs"] == saved["meta"]["forced_step_costs"]
     with pytest.raises(ValueError, match="more than one result"):
         bench_adaptive_report.merge([calls[0], calls[0]])
+    # calls that ran different --policy-b modes: a mode a point lacks is "-" in its row
+    calls[1]["forced"] = [r for r in calls[1]["forced"] if r["mode"] != "adaptive-c"]
+    bench_adaptive_report.main(["merge", *(str(_dump(tmp_path / f"call{i}.json", c)) for i, c in enumerate(calls)),
+                                "--out", str(merged_dir)])
+    rows_b4 = [line for line in (merged_dir / "bench_adaptive.md").read_text().splitlines() if line.startswith("| 4 |")]
+    assert len(rows_b4) == 3 and all(line.count(" - |") == 3 for line in rows_b4)  # tokens/s, and the two verdict cells
 
 
 def _dump(path: Path, data: dict) -> Path:
