@@ -14,7 +14,7 @@ from oracle_proposer import OracleProposer, accept_first
 
 from atom_like import LLMEngine, SamplingParams
 from spec_decode.adaptive import AcceptanceTracker, AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
-from spec_decode.step_costs import StepClock, StepCosts, StepTimes
+from spec_decode.step_costs import StepClock, StepCosts
 
 rng = np.random.default_rng(5)
 PROMPTS = [[int(x) for x in rng.integers(0, 128, n)] for n in (3, 21, 9)]
