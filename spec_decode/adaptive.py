@@ -36,6 +36,7 @@ not pay the probes cost next to nothing (AdaptiveDraftLength.choose).
 """
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -44,6 +45,9 @@ import numpy as np
 from spec_decode.step_costs import StepCosts, StepTimes, anchored, bucket_index
 
 MAX_DRAFTS = 8  # the verify width the kernels are tested for: k + 1 <= 9 query tokens per sequence
+
+
+_UNPRICED: dict[int, float] = {}  # the prices where the costs are a fixed table (AdaptiveDraftLength.step_times)
 
 
 class DraftLengthPolicy(ABC):
@@ -128,41 +132,49 @@ class AcceptanceTracker:
         accepted by those with accepted > i), not per sequence and position: on the GPU host the
         step-by-step merge of HOLD steps was most of the policy's time (2026-11-28,
         docs/benchmarks.md section 11)."""
-        n = len(self._reached)
-        reached, hits = [0.0] * (n + 1), [0.0] * (n + 1)
-        for j, drafted, accepted in verified:
-            w = self.decay ** (steps - 1 - j)
-            if len(drafted) > 16:  # numpy's per-call cost is most of a small batch's (7 us against 3)
-                a = np.asarray(accepted, dtype=np.int64)
-                reach = np.bincount(np.minimum(a + 1, np.asarray(drafted, dtype=np.int64)), minlength=n + 1)
-                for i, (r, h) in enumerate(zip(reach.tolist(), np.bincount(a, minlength=n + 1).tolist())):
-                    reached[i] += w * r
-                    hits[i] += w * h
-            else:
+        n, decay = len(self._reached), self.decay
+        sizes = [len(drafted) for _, drafted, _ in verified]
+        if sum(sizes) > 16:  # numpy's per-call cost is most of a small batch's (7 us against 3): one pass for all
+            total = sum(sizes)
+            a = np.fromiter(itertools.chain.from_iterable(acc for _, _, acc in verified), np.int64, total)
+            d = np.fromiter(itertools.chain.from_iterable(dr for _, dr, _ in verified), np.int64, total)
+            w = np.repeat([decay ** (steps - 1 - j) for j, _, _ in verified], sizes)
+            reached = np.bincount(np.minimum(a + 1, d), weights=w, minlength=n + 1).tolist()
+            hits = np.bincount(a, weights=w, minlength=n + 1).tolist()
+        else:
+            reached, hits = [0.0] * (n + 1), [0.0] * (n + 1)
+            for j, drafted, accepted in verified:
+                w = decay ** (steps - 1 - j)
                 for d, a in zip(drafted, accepted):
-                    reached[min(a + 1, d)] += w
+                    reached[a + 1 if a < d else d] += w
                     hits[a] += w
-        for i in range(n - 1, -1, -1):  # suffix sums over values > i
-            reached[i] += reached[i + 1]
-            hits[i] += hits[i + 1]
-        self.skip(steps)
-        self._settle()
-        self._reached = [x + y for x, y in zip(self._reached, reached[1:])]
-        self._accepted = [x + y for x, y in zip(self._accepted, hits[1:])]
+        # the old counts decayed by every step ended since they were last settled, plus the suffix sums
+        # of the new ones (values > i), in one pass from the last position down
+        factor = decay ** (self._decays + steps)
+        self._decays = 0
+        old_reached, old_accepted = self._reached, self._accepted
+        r = h = 0.0
+        for i in range(n, 0, -1):
+            r += reached[i]
+            h += hits[i]
+            reached[i] = old_reached[i - 1] * factor + r
+            hits[i] = old_accepted[i - 1] * factor + h
+        self._reached, self._accepted = reached[1:], hits[1:]
 
     def rates(self) -> list[float]:
-        out, prior = [], self.prior
+        out, prior, w = [], self.prior, self.prior_weight
         self._settle()
         for reached, accepted in zip(self._reached, self._accepted):
-            prior = (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
+            prior = (accepted + w * prior) / (reached + w)
             out.append(prior)
         return out
 
     def expected_accepted(self) -> list[float]:
         """E[accepted drafts] for k = 0..max_drafts."""
-        out, survive = [0.0], 1.0
+        out, total, survive = [0.0], 0.0, 1.0
         for a in self.rates():
-            out.append(out[-1] + survive * a)
+            total += survive * a
+            out.append(total)
             survive *= a
         return out
 
@@ -196,6 +208,7 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self._held = (-1, -1, -1, 0)  # (the step the choice holds until, its batch size, its bucket, k)
         self._drafting = 0  # choices of k >= 1 in a row
         self._quiet = self.HOLD  # how long a choice of k = 0 holds (see choose)
+        self._step_times: dict[int, tuple[dict[int, float], list[float]]] = {}  # batch -> (the prices, T(batch, k))
 
     def observe(self, step: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         if step > self._merged:  # (a step already merged cannot be observed: see choose)
@@ -205,11 +218,17 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self.times.observe(num_seqs, k, period_seconds)
 
     def step_times(self, num_seqs: int) -> list[float]:
-        """T(batch, k) for k = 0..max_drafts (module note)."""
-        device = self.costs.step_times(num_seqs)[: self.max_drafts + 1]
-        seen = self.times.observed(num_seqs) if self.costs.measured else {}
+        """T(batch, k) for k = 0..max_drafts (module note). Worked out again only when the prices
+        moved (StepTimes.observed hands back the same dict until then)."""
         # (the fixed table's units are not seconds: never mixed with periods)
-        return anchored(seen, device) if seen else device
+        seen = self.times.observed(num_seqs) if self.costs.measured else _UNPRICED
+        cached = self._step_times.get(num_seqs)
+        if cached is not None and cached[0] is seen:
+            return cached[1]
+        device = self.costs.step_times(num_seqs)[: self.max_drafts + 1]
+        times = anchored(seen, device) if seen else device
+        self._step_times[num_seqs] = (seen, times)
+        return times
 
     def choose(self, step: int, num_seqs: int) -> int:
         until, held_seqs, held_bucket, k = self._held

@@ -125,20 +125,29 @@ class StepTimes:
         self._dirty[b].add(k)
 
     def _refresh(self, b: int) -> None:
-        """Bucket b's quartiles and prices from its samples."""
+        """Bucket b's quartiles and prices from its samples: a new prices dict where a quartile moved,
+        else the same one (`observed`)."""
         dirty = self._dirty.pop(b, None)
         if dirty:
-            quartiles = self._quartiles[b]
+            quartiles, moved = self._quartiles[b], False
             for k in dirty:
-                if len(self._samples[b, k]) >= self.MIN_SAMPLES:
-                    quartiles[k] = _typical(self._samples[b, k])
-            self._prices[b] = _capped(quartiles, self.OUTLIER)
+                samples = self._samples[b, k]
+                if len(samples) >= self.MIN_SAMPLES:
+                    q = _typical(samples)
+                    if quartiles.get(k) != q:
+                        quartiles[k], moved = q, True
+            if moved:
+                self._prices[b] = _capped(quartiles, self.OUTLIER)
 
     def observed(self, num_seqs: int) -> dict[int, float]:
-        """{k: seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples."""
-        b = bucket_index(self.buckets, num_seqs)
+        """{k: seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples. Not to be changed by
+        the caller: the same dict comes back until a price moves, so that a caller may keep what it
+        worked out from it (AdaptiveDraftLength.step_times)."""
+        b = self._bucket_of.get(num_seqs)
+        if b is None:
+            b = self._bucket_of[num_seqs] = bucket_index(self.buckets, num_seqs)
         self._refresh(b)
-        return dict(self._prices[b])
+        return self._prices[b]
 
 
 def _typical(values) -> float:
@@ -171,6 +180,8 @@ def anchored(prices: dict[int, float], device: list[float]) -> list[float]:
     profile's difference below it: that keeps the host time k = 0 skips (the draft's launches); at
     batch 8, T = 1 in the trace simulator k = 0 then looked 2.51 ms beside k = 1's 2.61, was never
     run, and took 2.29 (0.91x it)."""
+    if len(prices) == len(device) and all(k in prices for k in range(len(device))):
+        return [prices[k] for k in range(len(device))]  # every k priced
     ks = sorted(prices)
     out = []
     for k, d in enumerate(device):

@@ -39,6 +39,23 @@ def test_step_times_quartiles_and_caps():
     assert times.observed(1)[2] == 1.8
 
 
+def test_step_times_hand_back_the_same_prices_until_one_moves():
+    """The policy keeps T(batch, k) worked out from a prices dict for as long as observed() hands back
+    that same dict (AdaptiveDraftLength.step_times): a new dict exactly when a price moved."""
+    times = StepTimes([1, 8])
+    for t in (1.0, 2.0, 3.0):
+        times.observe(1, 2, t)
+    first = times.observed(1)
+    times.observe(1, 2, 4.0)  # the lower quartile of 1..4 is still 1.0
+    assert times.observed(1) is first
+    times.observe(1, 2, 0.5)
+    times.observe(1, 2, 0.5)
+    assert times.observed(1) is not first and times.observed(1) == {2: 0.5} and first == {2: 1.0}
+    second = times.observed(2)  # bucket 8
+    times.observe(8, 1, 7.0)  # one sample: k = 1 not priced yet, so nothing moved
+    assert times.observed(1) == {2: 0.5} and times.observed(2) is second
+
+
 def test_anchored_guesses_from_the_priced_ks_and_the_profile():
     device = [1.0, 1.2, 1.6, 1.7, 1.8, 2.0]
     # above the priced ks the highest one moved by the profile (never below it); below them the profile alone
