@@ -195,9 +195,21 @@ class AdaptiveDraftLength(DraftLengthPolicy):
     resets it. Why: on the SmolLM2 pair at batch 1, T = 1 (H100, 2026-11-27) every fixed k lost
     17-23% to k = 0, and the probes the decaying evidence brought every ~60 steps (9.5% of steps
     drafted) held the policy at 0.95-0.96x no speculation in three runs; with the doubling, 0.99x
-    [0.98, 0.99] in the same run as 0.97x without it."""
+    [0.98, 0.99] in the same run as 0.97x without it.
+
+    The mirror image while drafting: once REPRICE_AFTER period samples of other ks have come since
+    k = 0's latest, a choice to draft instead drops k = 0's samples and runs k = 0 for REPRICE_RUN
+    steps, so that k = 0 is priced in the host's current phase; if drafting still wins once k = 0 is
+    priced again, the wait doubles (up to REPRICE_MAX), else it starts over. Why: a price is
+    refreshed only while its k runs, and the GPU host runs in phases up to 2x slower for hundreds of
+    steps. On the SmolLM2 pair at batch 1, T = 1 (H100, 2026-11-27) k = 0's price was taken in such a
+    phase, drafting looked cheaper, and the policy drafted 564 steps in a row at 0.92x no speculation
+    (every fixed k lost 17-34% there). Replayed against the phases the zoo runs recorded
+    (docs/benchmarks.md section 11, "Replaying the policy"), batch 1, T = 1 went from 0.96-0.99x to
+    0.99-1.00x no speculation; the other points moved by 1.1% or less either way."""
 
     HOLD, PROBE, MAX_QUIET = 4, 3, 256
+    REPRICE_AFTER, REPRICE_RUN, REPRICE_MAX = 256, 5, 4096
 
     def __init__(self, max_drafts: int, costs: StepCosts, tracker: AcceptanceTracker | None = None):
         self.max_drafts, self.costs = max_drafts, costs
@@ -209,13 +221,16 @@ class AdaptiveDraftLength(DraftLengthPolicy):
         self._drafting = 0  # choices of k >= 1 in a row
         self._quiet = self.HOLD  # how long a choice of k = 0 holds (see choose)
         self._step_times: dict[int, tuple[dict[int, float], list[float]]] = {}  # batch -> (the prices, T(batch, k))
+        self._since_k0: dict[int, int] = {}  # bucket -> period samples of other ks since k = 0's latest (see choose)
+        self._reprice_wait, self._repriced = self.REPRICE_AFTER, False
 
     def observe(self, step: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         if step > self._merged:  # (a step already merged cannot be observed: see choose)
             self._pending[step] = (drafted, accepted)  # kept, not copied, until merged: the engine's are fresh lists
 
     def observe_step(self, num_seqs: int, k: int, period_seconds: float) -> None:
-        self.times.observe(num_seqs, k, period_seconds)
+        b = self.times.observe(num_seqs, k, period_seconds)
+        self._since_k0[b] = self._since_k0.get(b, 0) + 1 if k else 0
 
     def step_times(self, num_seqs: int) -> list[float]:
         """T(batch, k) for k = 0..max_drafts (module note). Worked out again only when the prices
@@ -250,6 +265,15 @@ class AdaptiveDraftLength(DraftLengthPolicy):
             rate = (1 + gain[k]) / times[k]
             if rate > best_rate:
                 best, best_rate = k, rate
+        if self._repriced and 0 in self.times.observed(num_seqs):
+            # k = 0 priced afresh: drafting again means its old price was not the problem, so wait longer
+            self._repriced = False
+            self._reprice_wait = min(2 * self._reprice_wait, self.REPRICE_MAX) if best else self.REPRICE_AFTER
+        elif best and self._since_k0.get(bucket, 0) > self._reprice_wait and not self._repriced:
+            self.times.forget(num_seqs, 0)
+            self._since_k0[bucket], self._repriced = 0, True
+            self._held = (step + self.REPRICE_RUN, num_seqs, bucket, 0)
+            return 0
         if best:
             self._drafting += 1
             hold = self.HOLD

@@ -117,12 +117,14 @@ class StepTimes:
         self._dirty: dict[int, set[int]] = defaultdict(set)  # per bucket, the ks sampled since
         self._bucket_of: dict[int, int] = {}  # batch size -> bucket: observe runs at every steady step
 
-    def observe(self, num_seqs: int, k: int, seconds: float) -> None:
+    def observe(self, num_seqs: int, k: int, seconds: float) -> int:
+        """Count a sample; returns the index of the bucket it counts in."""
         b = self._bucket_of.get(num_seqs)
         if b is None:
             b = self._bucket_of[num_seqs] = bucket_index(self.buckets, num_seqs)
         self._samples[b, k].append(seconds)
         self._dirty[b].add(k)
+        return b
 
     def _refresh(self, b: int) -> None:
         """Bucket b's quartiles and prices from its samples: a new prices dict where a quartile moved,
@@ -138,6 +140,13 @@ class StepTimes:
                         quartiles[k], moved = q, True
             if moved:
                 self._prices[b] = _capped(quartiles, self.OUTLIER)
+
+    def forget(self, num_seqs: int, k: int) -> None:
+        """Drop k's samples at num_seqs's bucket: k is unpriced until MIN_SAMPLES new ones come."""
+        b = bucket_index(self.buckets, num_seqs)
+        self._samples.pop((b, k), None)
+        if self._quartiles[b].pop(k, None) is not None:
+            self._prices[b] = _capped(self._quartiles[b], self.OUTLIER)
 
     def observed(self, num_seqs: int) -> dict[int, float]:
         """{k: seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples. Not to be changed by

@@ -14,7 +14,7 @@ from oracle_proposer import OracleProposer, accept_first
 
 from atom_like import LLMEngine, SamplingParams
 from spec_decode.adaptive import AcceptanceTracker, AdaptiveDraftLength, DraftLengthPolicy, FixedDraftLength
-from spec_decode.step_costs import StepClock, StepCosts
+from spec_decode.step_costs import StepClock, StepCosts, StepTimes
 
 rng = np.random.default_rng(5)
 PROMPTS = [[int(x) for x in rng.integers(0, 128, n)] for n in (3, 21, 9)]
@@ -531,6 +531,29 @@ def test_prices_after_a_change_of_k_are_not_the_old_ks(monkeypatch, seed):
                                        seed=seed)
     adaptive, plain = run(lambda costs: AdaptiveDraftLength(5, costs)), run(lambda costs: FixedDraftLength(0))
     assert adaptive >= 0.975 * plain, (adaptive, plain)
+
+
+def test_k0_priced_in_a_slow_phase_is_priced_again():
+    """k = 0's price taken in a slow phase of the host (all its last samples), the drafting ks' from
+    before it, and drafting that does not pay at the real costs: drafting then looks cheaper, and while
+    it runs k = 0 never ran again to correct its price (the zoo's batch-1, T = 1 lock-in, 564 steps at
+    k = 3; docs/benchmarks.md section 11). After REPRICE_AFTER samples of other ks the policy runs k = 0
+    afresh and stays there."""
+    fast = [1.5e-3, 1.95e-3, 2.0e-3, 2.05e-3, 2.1e-3, 2.15e-3]  # host-bound: drafting costs 0.45 ms and up
+    policy = AdaptiveDraftLength(5, StepCosts([8], [[0.4e-3 + 0.1e-3 * k for k in range(6)]], "measured on d"))
+    for k in range(1, 6):
+        for _ in range(3):
+            policy.observe_step(8, k, fast[k])
+    for _ in range(StepTimes.WINDOW):
+        policy.observe_step(8, 0, 1.8 * fast[0])  # the slow phase
+    chosen = []
+    for step in range(1200):
+        chosen.append(policy.choose(step, 8))
+        if step and chosen[-2]:  # one of 8 sequences accepts a draft: rate(1) = 1.125 / 1.95 ms < 1 / 1.5 ms
+            policy.observe(step, [chosen[-2]] * 8, [1] + [0] * 7)
+        policy.observe_step(8, chosen[-1], fast[chosen[-1]])
+    assert chosen[1] > 0  # drafting looked cheaper than k = 0's slow-phase price
+    assert chosen[-300:].count(0) >= 290, chosen[-300:]
 
 
 def test_long_contexts_move_the_best_k_and_the_prices_follow(monkeypatch):

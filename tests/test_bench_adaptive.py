@@ -173,3 +173,18 @@ def test_forced_points_that_outgrow_the_pool_are_known_before_they_run():
     args = argparse.Namespace(warm=6, rounds=6, settle=3, window=6, adaptive_warm=30)  # the defaults
     need = {n: [128 * (64 + bench_adaptive.forced_tokens(args, 5, m, n)) for m in range(6)] for n in (1, 2)}
     assert max(need[1]) <= 274_320 and need[2][3] <= 274_320 < need[2][4]
+
+
+def test_replay_reconstructs_the_recorded_fixed_modes():
+    """ci/replay_adaptive.py on a recorded GPU zoo run (batch 8, T = 0): each fixed k replayed from the
+    rounds' costs and the fitted acceptance comes within 10% of what the GPU measured for it, and the
+    policy's paired ratios are the benchmark's kind of numbers."""
+    import replay_adaptive
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "data" / "bench_adaptive_h100_merge_b1_8.json"
+    run = json.loads(path.read_text())
+    point = replay_adaptive.replay_point(run, 8, 0.0, {"adaptive": replay_adaptive.AdaptiveDraftLength}, 1, [run])
+    for mode, replayed in point["replayed_fixed"].items():
+        assert replayed == pytest.approx(point["measured"][mode], rel=0.10), mode
+    ratios = point["policies"]["adaptive"]
+    assert 1.1 < ratios["vs_off"] < 1.6 and 0.8 < ratios["vs_best"] <= 1.05, ratios
