@@ -13,9 +13,10 @@ observe_step only for steady steps and not in a turn's first FRESH steps, as ben
 The fixed modes go through the same replay; ratios are paired by rounds as in the benchmark.
 
     python ci/replay_adaptive.py RUN.json [RUN.json ...] [--points 1:0,64:1] [--seeds 16] [--policy-b FILE ...]
+        [--policy-overhead-us 5,60]
 
-Not a measurement of the engine: a check of a policy's decisions under the recorded phases (its host time and what
-a change of k costs the steps after it are not in it). docs/benchmarks.md section 11, "Replaying the policy".
+Not a measurement of the engine: a check of a policy's decisions under the recorded phases (what a change of k costs
+the steps after it is not in it, and its host time only as a constant, --policy-overhead-us). docs/benchmarks.md section 11, "Replaying the policy".
 """
 from __future__ import annotations
 
@@ -70,16 +71,22 @@ def conditions(run: dict, batch: int, temperature: float, profile_runs: list[dic
     return cost, rates, per_set, profile, rows
 
 
-def replay(policy: DraftLengthPolicy, cost, rates, per_set: int, batch: int, seed: int) -> list[tuple[int, float]]:
-    """(tokens, seconds) of each round's timed steps."""
+def replay(policy: DraftLengthPolicy, cost, rates, per_set: int, batch: int, seed: int,
+           overhead: tuple[float, float] = (0.0, 0.0)) -> list[tuple[int, float]]:
+    """(tokens, seconds) of each round's timed steps. `overhead`: the policy's own host time, on a host-bound step:
+    seconds added to every step, and more to a step whose choice was worked out afresh (AdaptiveDraftLength holds
+    its choice HOLD steps and more in between: a new `_held`)."""
     rng = random.Random(seed)
     own, proposed, out = 0, 0, []
     for w in range(len(cost[0])):
         a, fresh, before, tokens, seconds = rates[w // per_set], FRESH, [None, None], 0, 0.0
         for i in range(SETTLE + TIMED):
+            held = getattr(policy, "_held", None)
             k = policy.choose(own, batch)
             fresh -= 1
             period = cost[k][w] * math.exp(rng.gauss(0.0, NOISE))
+            if held is not None:
+                period += overhead[0] + (overhead[1] if policy._held != held else 0.0)
             accepted = [0] * batch  # this step verifies what the one before proposed
             for j in range(batch if proposed else 0):
                 while accepted[j] < proposed and rng.random() < a[accepted[j]]:
@@ -101,7 +108,8 @@ def paired(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> float:
     return statistics.median(rate(a, i) / rate(b, i) for i in range(0, len(a) - 1, 2))
 
 
-def replay_point(run: dict, batch: int, temperature: float, policies: dict, seeds: int, profile_runs: list[dict]) -> dict:
+def replay_point(run: dict, batch: int, temperature: float, policies: dict, seeds: int, profile_runs: list[dict],
+                 overhead: tuple[float, float] = (0.0, 0.0)) -> dict:
     """Per policy: mean over seeds of its paired ratio to no speculation (k = 0) and to the best fixed k."""
     cost, rates, per_set, profile, rows = conditions(run, batch, temperature, profile_runs)
     kmax = run["meta"]["k"]
@@ -114,7 +122,7 @@ def replay_point(run: dict, batch: int, temperature: float, policies: dict, seed
             fixed_tps[k].append(v)
         best = max(tps, key=tps.get)
         for name, make in policies.items():
-            r = replay(make(kmax, profile), cost, rates, per_set, batch, 1000 * seed + 999)
+            r = replay(make(kmax, profile), cost, rates, per_set, batch, 1000 * seed + 999, overhead)
             out[name]["vs_off"].append(paired(r, fixed[0]))
             out[name]["vs_best"].append(paired(r, fixed[best]))
     return dict(batch=batch, temperature=temperature,
@@ -129,6 +137,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--points", default="", help="batch:temperature,... (default: every zoo point of each run)")
     parser.add_argument("--seeds", type=int, default=16)
     parser.add_argument("--policy-b", action="append", default=[], help="a saved spec_decode/adaptive.py (repeatable)")
+    parser.add_argument("--policy-overhead-us", default="0,0",
+                        help="STEP,CHOICE: µs of an adaptive policy's host time added to each of its steps, and more to "
+                             "each step whose choice it worked out afresh")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     policies = {"adaptive": AdaptiveDraftLength}
@@ -146,7 +157,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for batch, temperature in points:
             if wanted and (batch, temperature) not in wanted:
                 continue
-            r = replay_point(run, batch, temperature, policies, args.seeds, loaded)
+            r = replay_point(run, batch, temperature, policies, args.seeds, loaded,
+                             tuple(float(x) * 1e-6 for x in args.policy_overhead_us.split(",")))
             results.append(dict(run=path.name, **r))
             line = ", ".join(f"{name} {p['vs_off']:.3f} / {p['vs_best']:.3f}" for name, p in r["policies"].items())
             fit = max(abs(r["replayed_fixed"][m] / r["measured"][m] - 1) for m in r["replayed_fixed"])
