@@ -91,33 +91,8 @@ class AcceptanceTracker:
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
         # Python lists, not numpy arrays: at most 8 positions, and the policy runs on the step's
         # critical path, where numpy's per-call cost was most of the policy's host time (below)
-        self._reached = [0.0] * max_drafts
-        self._accepted = [0.0] * max_drafts
-        # steps ended since the counts were last decayed: a step without verifications (k = 0) only
-        # decays, applied at once when the counts are next used, not once for each of the HOLD
-        # steps a choice ends
-        self._decays = 0
-
-    @property
-    def reached(self) -> list[float]:
-        self._settle()
-        return self._reached
-
-    @property
-    def accepted(self) -> list[float]:
-        self._settle()
-        return self._accepted
-
-    def _settle(self) -> None:
-        if self._decays:
-            factor = self.decay ** self._decays
-            self._reached = [x * factor for x in self._reached]
-            self._accepted = [x * factor for x in self._accepted]
-            self._decays = 0
-
-    def skip(self, steps: int) -> None:
-        """End `steps` steps without verifications: decay only."""
-        self._decays += steps
+        self.reached = [0.0] * max_drafts
+        self.accepted = [0.0] * max_drafts
 
     def end_step(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         """Decay, then add one step's verifications (sequence i drafted drafted[i], accepted the
@@ -125,14 +100,14 @@ class AcceptanceTracker:
         self.end_steps(1, [(0, drafted, accepted)])
 
     def end_steps(self, steps: int, verified: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
-        """End `steps` steps, the same counts as end_step / skip step by step: (j, drafted, accepted)
-        in `verified` are the verifications of the j-th of them (0-based, ascending), each weighted by
-        the decays of the steps after it. One pass, as weighted histograms of min(accepted + 1,
+        """End `steps` steps, the same counts as end_step step by step (a step without verifications
+        only decays): (j, drafted, accepted) in `verified` are the verifications of the j-th of them
+        (0-based, ascending), each weighted by the decays of the steps after it. One pass, as weighted histograms of min(accepted + 1,
         drafted) and accepted (position i is reached by the verifications whose value is > i, and
         accepted by those with accepted > i), not per sequence and position: on the GPU host the
         step-by-step merge of HOLD steps was most of the policy's time (2026-11-28,
         docs/benchmarks.md section 11)."""
-        n, decay = len(self._reached), self.decay
+        n, decay = len(self.reached), self.decay
         sizes = [len(drafted) for _, drafted, _ in verified]
         if sum(sizes) > 16:  # numpy's per-call cost is most of a small batch's (7 us against 3): one pass for all
             total = sum(sizes)
@@ -148,23 +123,21 @@ class AcceptanceTracker:
                 for d, a in zip(drafted, accepted):
                     reached[a + 1 if a < d else d] += w
                     hits[a] += w
-        # the old counts decayed by every step ended since they were last settled, plus the suffix sums
-        # of the new ones (values > i), in one pass from the last position down
-        factor = decay ** (self._decays + steps)
-        self._decays = 0
-        old_reached, old_accepted = self._reached, self._accepted
+        # the old counts decayed by the `steps` steps, plus the suffix sums of the new ones (values > i),
+        # in one pass from the last position down
+        factor = decay ** steps
+        old_reached, old_accepted = self.reached, self.accepted
         r = h = 0.0
         for i in range(n, 0, -1):
             r += reached[i]
             h += hits[i]
             reached[i] = old_reached[i - 1] * factor + r
             hits[i] = old_accepted[i - 1] * factor + h
-        self._reached, self._accepted = reached[1:], hits[1:]
+        self.reached, self.accepted = reached[1:], hits[1:]
 
     def rates(self) -> list[float]:
         out, prior, w = [], self.prior, self.prior_weight
-        self._settle()
-        for reached, accepted in zip(self._reached, self._accepted):
+        for reached, accepted in zip(self.reached, self.accepted):
             prior = (accepted + w * prior) / (reached + w)
             out.append(prior)
         return out

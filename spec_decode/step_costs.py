@@ -117,11 +117,15 @@ class StepTimes:
         self._dirty: dict[int, set[int]] = defaultdict(set)  # per bucket, the ks sampled since
         self._bucket_of: dict[int, int] = {}  # batch size -> bucket: observe runs at every steady step
 
-    def observe(self, num_seqs: int, k: int, seconds: float) -> int:
-        """Count a sample; returns the index of the bucket it counts in."""
+    def _bucket(self, num_seqs: int) -> int:
         b = self._bucket_of.get(num_seqs)
         if b is None:
             b = self._bucket_of[num_seqs] = bucket_index(self.buckets, num_seqs)
+        return b
+
+    def observe(self, num_seqs: int, k: int, seconds: float) -> int:
+        """Count a sample; returns the index of the bucket it counts in."""
+        b = self._bucket(num_seqs)
         self._samples[b, k].append(seconds)
         self._dirty[b].add(k)
         return b
@@ -143,7 +147,7 @@ class StepTimes:
 
     def forget(self, num_seqs: int, k: int) -> None:
         """Drop k's samples at num_seqs's bucket: k is unpriced until MIN_SAMPLES new ones come."""
-        b = bucket_index(self.buckets, num_seqs)
+        b = self._bucket(num_seqs)
         self._samples.pop((b, k), None)
         if self._quartiles[b].pop(k, None) is not None:
             self._prices[b] = _capped(self._quartiles[b], self.OUTLIER)
@@ -152,9 +156,7 @@ class StepTimes:
         """{k: seconds} at num_seqs's bucket, for the ks with MIN_SAMPLES samples. Not to be changed by
         the caller: the same dict comes back until a price moves, so that a caller may keep what it
         worked out from it (AdaptiveDraftLength.step_times)."""
-        b = self._bucket_of.get(num_seqs)
-        if b is None:
-            b = self._bucket_of[num_seqs] = bucket_index(self.buckets, num_seqs)
+        b = self._bucket(num_seqs)
         self._refresh(b)
         return self._prices[b]
 
