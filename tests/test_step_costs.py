@@ -1,6 +1,6 @@
 """What a decode step costs (spec_decode/step_costs.py): the device profile's on-disk cache, the
 observed periods' prices, and the clock that samples steady decode steps. The policy that reads
-them is tested in tests/test_adaptive_spec.py."""
+them is tested in tests/test_adaptive_policy.py."""
 from __future__ import annotations
 
 import pytest
