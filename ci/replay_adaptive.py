@@ -72,20 +72,20 @@ def conditions(run: dict, batch: int, temperature: float, profile_runs: list[dic
 
 
 def replay(policy: DraftLengthPolicy, cost, rates, per_set: int, batch: int, seed: int,
-           overhead: tuple[float, float] = (0.0, 0.0)) -> list[tuple[int, float]]:
-    """(tokens, seconds) of each round's timed steps. `overhead`: the policy's own host time, on a host-bound step:
-    seconds added to every step, and more to a step whose choice was worked out afresh (AdaptiveDraftLength holds
-    its choice HOLD steps and more in between: a new `_held`)."""
+           overhead: tuple[float, float] | None = None) -> list[tuple[int, float]]:
+    """(tokens, seconds) of each round's timed steps. `overhead` (adaptive policies only): their own host time, on a
+    host-bound step: seconds added to every step, and more to a step whose choice was worked out afresh
+    (AdaptiveDraftLength holds its choice HOLD steps and more in between: a new `_held`)."""
     rng = random.Random(seed)
     own, proposed, out = 0, 0, []
     for w in range(len(cost[0])):
         a, fresh, before, tokens, seconds = rates[w // per_set], FRESH, [None, None], 0, 0.0
         for i in range(SETTLE + TIMED):
-            held = getattr(policy, "_held", None)
+            held = policy._held if overhead else None
             k = policy.choose(own, batch)
             fresh -= 1
             period = cost[k][w] * math.exp(rng.gauss(0.0, NOISE))
-            if held is not None:
+            if overhead:
                 period += overhead[0] + (overhead[1] if policy._held != held else 0.0)
             accepted = [0] * batch  # this step verifies what the one before proposed
             for j in range(batch if proposed else 0):
@@ -109,7 +109,7 @@ def paired(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> float:
 
 
 def replay_point(run: dict, batch: int, temperature: float, policies: dict, seeds: int, profile_runs: list[dict],
-                 overhead: tuple[float, float] = (0.0, 0.0)) -> dict:
+                 overhead: tuple[float, float] | None = None) -> dict:
     """Per policy: mean over seeds of its paired ratio to no speculation (k = 0) and to the best fixed k."""
     cost, rates, per_set, profile, rows = conditions(run, batch, temperature, profile_runs)
     kmax = run["meta"]["k"]
